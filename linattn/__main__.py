@@ -1,0 +1,3 @@
+from linattn.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""PyTorch federated runner on real data: data, partitions, models, algorithms, engines, runs."""
