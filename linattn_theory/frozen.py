@@ -1,0 +1,191 @@
+"""The frozen stage, exactly (docs/theory.md, eqs. 13-18).
+
+With M fixed, client m runs K full-batch GD steps (step eta) on the quadratic
+f_m(V) = L_m(M, V) + (lambda/2)||V||^2 with Hessian H'_m = H_m + lambda I:
+
+    V -> A_m V + B_m C_m,  A_m = (I - eta H'_m)^K,  B_m = eta sum_{k<K} (I - eta H'_m)^k   (13)
+    FedAvg:  V -> Abar V + b,  Abar = sum_m p_m A_m,  b = sum_m p_m B_m C_m                (14)
+    V_inf(M) = (I - Abar)^{-1} b                                                            (15)
+    contraction = spectral radius of Abar                                                   (16)
+    D_frozen(M) = F(M, V_inf) - Phi(M) = 1/2 tr((V_inf - V*)^T H (V_inf - V*)) >= 0         (17)
+
+and with minibatch noise the stationary excess 1/2 tr((I kron H) P), P the solution of a
+discrete Lyapunov equation (18).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.linalg import solve_discrete_lyapunov
+
+from linattn_theory.errors import ParameterError, require
+from linattn_theory.objectives import value_quadratic
+from linattn_theory.problem import Problem
+
+
+def _check_steps(lr: float, local_steps: int) -> None:
+    require(np.isfinite(lr) and lr > 0, "lr", lr, "a positive step size eta")
+    require(isinstance(local_steps, int | np.integer) and local_steps >= 1, "local_steps",
+            local_steps, "an integer K >= 1")
+
+
+def local_value_maps(hessians: np.ndarray, lr: float, local_steps: int, ridge: float):
+    """A_m and B_m of eq. (13) for a batch of Hessians H_m (without ridge), shape (..., d, d).
+
+    Raises :class:`ParameterError` when eta >= 2 / lambda_max(H'_m) for some client (the
+    local GD map would expand).
+    """
+    _check_steps(lr, local_steps)
+    d = hessians.shape[-1]
+    eig, vec = np.linalg.eigh(hessians + ridge * np.eye(d))
+    limit = 2.0 / float(np.max(eig))
+    if lr >= limit:
+        raise ParameterError(
+            f"lr={lr:g} is above the stability limit 2/lambda_max(H'_m) = {limit:.4g} of the "
+            f"local value problem; lr must be in (0, {limit:.4g})"
+        )
+    contraction = 1.0 - lr * eig  # eigenvalues of (I - eta H'_m)
+    a_eig = contraction**local_steps
+    # B_m eigenvalues: eta sum_{k<K} c^k = (1 - c^K)/lambda, written without dividing by 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        b_eig = np.where(np.abs(eig) > 1e-300, (1.0 - a_eig) / eig, lr * local_steps)
+    vt = np.swapaxes(vec, -1, -2)
+    a = (vec * a_eig[..., None, :]) @ vt
+    b = (vec * b_eig[..., None, :]) @ vt
+    return a, b
+
+
+@dataclass(frozen=True)
+class FrozenStage:
+    """The frozen-stage FedAvg map and its fixed point for one kernel M (eqs. 14-17).
+
+    Attributes
+    ----------
+    transition : ndarray, shape (d, d)
+        Abar.
+    offset : ndarray, shape (d, d_y)
+        b.
+    fixed_point : ndarray, shape (d, d_y)
+        V_inf(M).
+    optimum : ndarray, shape (d, d_y)
+        V*(M).
+    contraction : float
+        Spectral radius of Abar.
+    floor : float
+        D_frozen(M).
+    hessian : ndarray, shape (d, d)
+        H(M) = sum_m p_m H_m + lambda I.
+    """
+
+    transition: np.ndarray
+    offset: np.ndarray
+    fixed_point: np.ndarray
+    optimum: np.ndarray
+    contraction: float
+    floor: float
+    hessian: np.ndarray
+
+
+def frozen_stage(problem: Problem, kernel: np.ndarray, lr: float, local_steps: int) -> FrozenStage:
+    """Build the exact frozen-stage map of eq. (14) and its fixed point (eq. 15) for kernel M."""
+    h, lin, _ = value_quadratic(problem, kernel)
+    a, b = local_value_maps(h, lr, local_steps, problem.ridge)
+    p = problem.weights
+    transition = np.tensordot(p, a, axes=1)
+    offset = np.tensordot(p, b @ lin, axes=1)
+    d = problem.dim
+    fixed_point = np.linalg.solve(np.eye(d) - transition, offset)
+    hessian = np.tensordot(p, h, axes=1) + problem.ridge * np.eye(d)
+    optimum = np.linalg.solve(hessian, np.tensordot(p, lin, axes=1))
+    gap = fixed_point - optimum
+    floor = 0.5 * float(np.sum(gap * (hessian @ gap)))
+    return FrozenStage(
+        transition=transition,
+        offset=offset,
+        fixed_point=fixed_point,
+        optimum=optimum,
+        contraction=float(np.max(np.abs(np.linalg.eigvals(transition)))),
+        floor=max(floor, 0.0),
+        hessian=hessian,
+    )
+
+
+def frozen_fixed_point(problem: Problem, kernel: np.ndarray, lr: float, local_steps: int):
+    """V_inf(M) of eq. (15)."""
+    return frozen_stage(problem, kernel, lr, local_steps).fixed_point
+
+
+def frozen_floor(problem: Problem, kernel: np.ndarray, lr: float, local_steps: int) -> float:
+    """D_frozen(M) of eq. (17)."""
+    return frozen_stage(problem, kernel, lr, local_steps).floor
+
+
+def sample_gradient_covariance(problem: Problem, kernel: np.ndarray, value: np.ndarray,
+                               rng: np.random.Generator, samples: int = 20000) -> np.ndarray:
+    """Covariance Q_m of one sequence's gradient in vec(V) (column-major), by Monte Carlo.
+
+    One sequence's gradient is g = Sigma_hat M^T x_q (yhat - y)^T (plus lambda V, which has
+    no variance). Returns shape (C, d d_y, d d_y).
+    """
+    require(isinstance(samples, int | np.integer) and samples >= 2, "samples", samples,
+            "an integer >= 2")
+    d, dy, n = problem.dim, problem.out_dim, problem.context_length
+    out = np.empty((problem.num_clients, d * dy, d * dy))
+    for c in range(problem.num_clients):
+        chol = np.linalg.cholesky(problem.covariances[c])
+        x = rng.standard_normal((samples, n + 1, d)) @ chol.T
+        xq, ctx = x[:, 0], x[:, 1:]
+        sig = np.einsum("bni,bnj->bij", ctx, ctx) / n
+        feat = np.einsum("bij,kj,bk->bi", sig, kernel, xq)  # Sigma_hat M^T x_q
+        teacher = np.einsum("bij,kj,bk->bi", sig, problem.kernel_teachers[c], xq)
+        resid = feat @ value - teacher @ problem.value_teachers[c]
+        resid = resid - problem.noise * rng.standard_normal((samples, dy))
+        grad = np.einsum("bi,ba->bai", feat, resid).reshape(samples, d * dy)  # column-major
+        out[c] = np.cov(grad, rowvar=False)
+    return out
+
+
+def noise_stationary_term(problem: Problem, kernel: np.ndarray, lr: float, local_steps: int,
+                          batch_size: int, gradient_covariance: np.ndarray | None = None,
+                          rng: np.random.Generator | None = None, samples: int = 20000) -> float:
+    """Stationary excess added by minibatch noise in the frozen stage (eq. 18).
+
+    Linearised at V_inf: V_{r+1} - V_inf = Abar (V_r - V_inf) + xi_r with
+    xi_r = -eta sum_m p_m sum_{k<K} (I - eta H'_m)^{K-1-k} eps_{m,k}, Cov(eps) = Q_m / B.
+    P = Abar P Abar^T + Cov(xi) (on column-major vec V) and the term is 1/2 tr((I kron H) P).
+    First order: Q_m is evaluated at V_inf and held fixed along the local path.
+
+    Parameters
+    ----------
+    batch_size : int
+        B, sequences per local step.
+    gradient_covariance : ndarray, shape (C, d d_y, d d_y), optional
+        Q_m; estimated with :func:`sample_gradient_covariance` (``rng`` required) if absent.
+    """
+    require(isinstance(batch_size, int | np.integer) and batch_size >= 1, "batch_size",
+            batch_size, "an integer >= 1")
+    stage = frozen_stage(problem, kernel, lr, local_steps)
+    d, dy = problem.dim, problem.out_dim
+    if gradient_covariance is None:
+        if rng is None:
+            raise ParameterError("rng is required when gradient_covariance is not given")
+        gradient_covariance = sample_gradient_covariance(problem, kernel, stage.fixed_point, rng,
+                                                         samples)
+    q = np.asarray(gradient_covariance, dtype=np.float64)
+    require(q.shape == (problem.num_clients, d * dy, d * dy), "gradient_covariance", q.shape,
+            f"shape ({problem.num_clients}, {d * dy}, {d * dy})")
+    h, _, _ = value_quadratic(problem, kernel)
+    step = np.eye(d)[None] - lr * (h + problem.ridge * np.eye(d))
+    eye_y = np.eye(dy)
+    cov_xi = np.zeros((d * dy, d * dy))
+    for c, weight in enumerate(problem.weights):
+        power = np.eye(d)
+        for _ in range(local_steps):  # sum over k of P^{K-1-k} Q P^{K-1-k}^T, any order
+            big = np.kron(eye_y, power)
+            cov_xi += weight**2 * lr**2 * big @ q[c] @ big.T / batch_size
+            power = step[c] @ power
+    big_a = np.kron(eye_y, stage.transition)
+    cov_v = solve_discrete_lyapunov(big_a, cov_xi)
+    return 0.5 * float(np.trace(np.kron(eye_y, stage.hessian) @ cov_v))
