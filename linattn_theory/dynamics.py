@@ -112,6 +112,17 @@ def _doubled(problem: Problem) -> Problem:
     )
 
 
+def one_round(problem: Problem, kernel: np.ndarray, value: np.ndarray, lr: float,
+              local_steps: int):
+    """One FedAvg round (eq. 19) and one reference round (eq. 20) from the same (M, V).
+
+    Returns ``((M_fedavg, V_fedavg), (M_reference, V_reference))``; their kernel difference
+    divided by eta K is the measured local-drift error e_t of eq. (22).
+    """
+    state = (np.array(kernel, dtype=np.float64), np.array(value, dtype=np.float64))
+    return _round(problem, _doubled(problem), state, state, lr, local_steps)
+
+
 def _kernel(state: tuple) -> np.ndarray:
     return state[0] if len(state) == 2 else state[0] @ state[1].T
 

@@ -1,0 +1,226 @@
+"""``linattn warmup`` and ``linattn theory``: the analytic module on the command line.
+
+Imports only numpy/scipy (and yaml/json for problem files); matplotlib is imported only when
+``--png`` asks for a plot, so ``linattn warmup`` starts without torch or matplotlib.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from linattn_theory.errors import ParameterError
+
+# Constants assumed when neither a flag nor a problem file gives them; printed with the result.
+DEFAULTS = {
+    "delta0": 1.0,
+    "pl_constant": 0.5,
+    "smoothness": 1.0,
+    "grad_bound": 1.0,
+    "total_rounds": 200,
+}
+
+
+def _warmup_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="linattn warmup",
+        description="Optimal warm-up length T0* before freezing the attention kernel "
+        "(docs/theory.md, eqs. 24-29). Give the constants directly, or a problem file whose "
+        "constants are measured from the closed forms.",
+    )
+    src = ap.add_argument_group("constants (direct)")
+    src.add_argument("--heterogeneity", type=float, help="zeta >= 0 (client gradient spread)")
+    src.add_argument("--local-steps", type=int, help="K >= 1")
+    src.add_argument("--lr", type=float, help="eta in (0, 2/L)")
+    src.add_argument("--total-rounds", type=int, help="T >= 1 (default 200)")
+    src.add_argument("--smoothness", type=float, help="L > 0 (default 1)")
+    src.add_argument("--pl-constant", type=float, help="mu >= 0 (default 0.5)")
+    src.add_argument("--delta0", type=float, help="Phi(M_0) - Phi* > 0 (default 1)")
+    src.add_argument("--grad-bound", type=float, help="G >= 0 (default 1)")
+    src.add_argument("--kernel-distance", type=float, help="D_0 >= 0 (enables nonconvex regime)")
+    src.add_argument("--drift-error", type=float,
+                     help="measured e >= 0 (replaces (K-1) eta L zeta / 2)")
+    src.add_argument("--frozen-floor", type=float, default=0.0, help="D_frozen >= 0")
+    prob = ap.add_argument_group("constants (measured from a problem)")
+    prob.add_argument("--problem", type=Path,
+                      help="YAML/JSON problem file: a 'make_problem' mapping or explicit arrays")
+    prob.add_argument("--dynamics", action="store_true",
+                      help="with --problem: also run the exact population dynamics and report "
+                      "their argmin of R(T0)")
+    ap.add_argument("--regime", choices=("auto", "pl", "nonconvex"), default="auto")
+    ap.add_argument("--csv", type=Path, help="write the bound's curves (T0, bias, drift, ...)")
+    ap.add_argument("--png", type=Path, help="plot the curves (needs matplotlib)")
+    ap.add_argument("--json", type=Path, help="write T0*, regime and constants as JSON")
+    return ap
+
+
+def load_problem_file(path: Path):
+    """Read a problem file (YAML or JSON) into a Problem; errors name the file."""
+    from linattn_theory.problem import Problem
+
+    if not path.is_file():
+        raise ParameterError(f"problem file {path} does not exist; give a YAML or JSON file")
+    text = path.read_text()
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as exc:  # noqa: BLE001 - any parse error is the user's file
+        raise ParameterError(f"cannot parse problem file {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ParameterError(f"problem file {path} must hold a mapping")
+    try:
+        return Problem.from_dict(data), data.get("schedule", {})
+    except TypeError as exc:
+        raise ParameterError(f"problem file {path}: {exc}") from exc
+
+
+def _atomic_write(path: Path, write) -> None:
+    """Write through a temporary file in the same folder, then rename: nothing half written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _constants_from_args(args):
+    from linattn_theory.warmup import WarmupConstants
+
+    missing = [f for f in ("heterogeneity", "local_steps", "lr") if getattr(args, f) is None]
+    if missing:
+        flags = ", ".join("--" + m.replace("_", "-") for m in missing)
+        raise ParameterError(f"missing {flags}; give them, or --problem FILE")
+    assumed = {k: v for k, v in DEFAULTS.items() if getattr(args, k) is None}
+    values = {k: (getattr(args, k) if getattr(args, k) is not None else v)
+              for k, v in DEFAULTS.items()}
+    constants = WarmupConstants(
+        heterogeneity=args.heterogeneity,
+        local_steps=args.local_steps,
+        lr=args.lr,
+        kernel_distance=args.kernel_distance,
+        frozen_floor=args.frozen_floor,
+        measured_drift_error=args.drift_error,
+        **values,
+    )
+    return constants, assumed
+
+
+def warmup_main(argv: list[str]) -> int:
+    from linattn_theory.warmup import recommend_warmup
+
+    args = _warmup_parser().parse_args(argv)
+    dynamics = None
+    if args.problem is not None:
+        from linattn_theory.constants import estimate_constants
+        from linattn_theory.dynamics import initial_point, population_dynamics
+
+        problem, schedule = load_problem_file(args.problem)
+        lr = args.lr if args.lr is not None else schedule.get("lr")
+        steps = args.local_steps if args.local_steps is not None else schedule.get("local_steps")
+        total = args.total_rounds or schedule.get("total_rounds", DEFAULTS["total_rounds"])
+        if lr is None or steps is None:
+            raise ParameterError("with --problem give --lr and --local-steps (or a 'schedule' "
+                                 "mapping with lr and local_steps in the file)")
+        start = initial_point(problem, seed=int(schedule.get("init_seed", 0)))
+        measured = estimate_constants(problem, float(lr), int(steps), int(total), start=start)
+        constants, assumed = measured.warmup_constants(), {}
+        if args.dynamics:
+            grid = np.unique(np.linspace(0, int(total), min(int(total) + 1, 101)).astype(int))
+            dynamics = population_dynamics(problem, start, float(lr), int(steps), int(total),
+                                           grid, measured.phi_star)
+    else:
+        constants, assumed = _constants_from_args(args)
+    rec = recommend_warmup(constants, regime=args.regime)
+    print(rec.explanation())
+    if assumed:
+        print("  assumed (not given): " + ", ".join(f"{k}={v}" for k, v in assumed.items()))
+    if dynamics is not None:
+        print(f"  exact population dynamics: best T0 = {dynamics.best_warmup} "
+              f"(R = {dynamics.final_error.min():.4g}; no freezing R = "
+              f"{dynamics.final_error[-1]:.4g})")
+
+    header = ["warmup_rounds", "bias", "drift", "frozen_floor", "transient", "total"]
+    rows = np.column_stack([rec.rounds, rec.bias, rec.drift, rec.frozen, rec.transient, rec.total])
+    if args.csv:
+        def write_csv(tmp: Path) -> None:
+            with tmp.open("w", newline="") as fh:
+                w = csv.writer(fh)
+                w.writerow(header)
+                for r in rows:
+                    w.writerow([int(r[0]), *(f"{x:.10g}" for x in r[1:])])
+
+        _atomic_write(args.csv, write_csv)
+        print(f"wrote {args.csv}")
+    if args.json:
+        payload = rec.to_dict()
+        if dynamics is not None:
+            payload["population_best_warmup"] = dynamics.best_warmup
+        _atomic_write(args.json, lambda tmp: tmp.write_text(json.dumps(payload, indent=2)))
+        print(f"wrote {args.json}")
+    if args.png:
+        _plot(rec, args.png)
+        print(f"wrote {args.png}")
+    return 0
+
+
+def _plot(rec, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    ax.plot(rec.rounds, rec.bias, "-", color="0.1", label="bias bound")
+    ax.plot(rec.rounds, rec.drift, "--", color="0.35", label="drift bound")
+    ax.plot(rec.rounds, rec.total, ":", color="0.0", lw=2, label="total bound")
+    ax.axvline(rec.warmup_rounds, color="0.5", lw=1, label=f"T0* = {rec.warmup_rounds}")
+    ax.set_xlabel("warm-up rounds T0")
+    ax.set_ylabel("bound on excess risk")
+    ax.set_yscale("log")
+    ax.legend(frameon=False)
+    fig.tight_layout()
+    _atomic_write(path, lambda tmp: fig.savefig(tmp, format=path.suffix.lstrip(".") or "png"))
+    plt.close(fig)
+
+
+def theory_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="linattn theory",
+                                 description="Phi*, D_frozen and the constants of a problem.")
+    ap.add_argument("--problem", type=Path, required=True, help="YAML/JSON problem file")
+    ap.add_argument("--lr", type=float, required=True)
+    ap.add_argument("--local-steps", type=int, required=True)
+    ap.add_argument("--total-rounds", type=int, default=DEFAULTS["total_rounds"])
+    args = ap.parse_args(argv)
+    from linattn_theory.constants import estimate_constants
+
+    problem, _ = load_problem_file(args.problem)
+    c = estimate_constants(problem, args.lr, args.local_steps, args.total_rounds)
+    print(json.dumps(c.to_dict(), indent=2))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command, rest = (argv[0], argv[1:]) if argv else ("warmup", [])
+    try:
+        if command == "theory":
+            return theory_main(rest)
+        return warmup_main(rest)
+    except ParameterError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

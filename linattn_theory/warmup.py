@@ -1,0 +1,344 @@
+"""The stylized bias-drift bound and the optimal warm-up length (docs/theory.md, eqs. 24-30).
+
+Time is measured in tau = eta K T0. With constants Delta_0, mu, L, zeta, G, D_0:
+
+    B_PL(T0)  = Delta_0 exp(-mu eta K T0)                                            (24)
+    B_NC(T0)  = min(Delta_0, A / (eta K T0)),  A = D_0^2 / 2                         (25)
+    dev(T0)   = eta K T0 e,  e = (K - 1) eta L zeta / 2,
+    Drift(T0) = G dev(T0) + (L_Phi/2) dev(T0)^2   (linear slope S = G e per unit tau)    (26)
+    E(T0)     = B(T0) + Drift(T0) + D_frozen + rho^{2(T - T0)} E_0                    (27)
+    T0*_PL    = ln(mu Delta_0 / S) / (eta K mu)                                       (28)
+    T0*_NC    = sqrt(A / S) / (eta K)                                                 (29)
+
+both clipped to [0, T] and equal to T when S = 0 (zeta = 0 or K = 1); each is non-increasing
+in zeta, K and eta (eq. 30). The closed forms minimise the bias plus the linear drift; the
+numeric argmin minimises the full expression (27).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from linattn_theory.errors import ParameterError, require
+
+REGIMES = ("auto", "pl", "nonconvex")
+
+
+@dataclass(frozen=True)
+class WarmupConstants:
+    """Constants of the stylized bound (eq. 23).
+
+    Attributes
+    ----------
+    delta0 : float
+        Delta_0 = Phi(M_0) - Phi* (> 0).
+    pl_constant : float
+        mu, the local PL constant of Phi (>= 0; 0 disables the PL regime).
+    smoothness : float
+        L (> 0).
+    heterogeneity : float
+        zeta = sqrt(sum_m p_m ||grad f_m - grad F||^2) along the path (>= 0).
+    grad_bound : float
+        G, a bound on ||grad Phi|| along the path (>= 0).
+    lr : float
+        eta, in (0, 2/L).
+    local_steps : int
+        K >= 1.
+    total_rounds : int
+        T >= 1.
+    kernel_distance : float or None
+        D_0 = ||M_0 - M_*||_F; needed by the non-convex regime (A = D_0^2 / 2).
+    frozen_floor : float
+        D_frozen (>= 0), added as a constant.
+    frozen_contraction : float
+        rho in [0, 1), the frozen-stage contraction for the transient.
+    value_error0 : float
+        E_0 (>= 0), the value-stage error when the kernel is frozen.
+    measured_drift_error : float or None
+        e measured directly (for a problem instance: the kernel gap between one FedAvg round
+        and one reference round from the same point, divided by eta K; eq. 22). When given
+        it replaces the heuristic (K - 1) eta L zeta / 2, which is an upper estimate.
+    profile_smoothness : float or None
+        L_Phi, the smoothness of Phi alone, used in the quadratic drift term when given
+        (otherwise L).
+    """
+
+    delta0: float
+    pl_constant: float
+    smoothness: float
+    heterogeneity: float
+    grad_bound: float
+    lr: float
+    local_steps: int
+    total_rounds: int
+    kernel_distance: float | None = None
+    frozen_floor: float = 0.0
+    frozen_contraction: float = 0.0
+    value_error0: float = 0.0
+    measured_drift_error: float | None = None
+    profile_smoothness: float | None = None
+
+    def __post_init__(self) -> None:
+        def finite(x):
+            return x is not None and np.isfinite(x)
+
+        require(finite(self.delta0) and self.delta0 > 0, "delta0", self.delta0,
+                "> 0 (Phi(M_0) - Phi*)")
+        require(finite(self.pl_constant) and self.pl_constant >= 0, "pl_constant",
+                self.pl_constant, ">= 0")
+        require(finite(self.smoothness) and self.smoothness > 0, "smoothness", self.smoothness,
+                "> 0")
+        require(finite(self.heterogeneity) and self.heterogeneity >= 0, "heterogeneity",
+                self.heterogeneity, ">= 0 (0 is the i.i.d. case)")
+        require(finite(self.grad_bound) and self.grad_bound >= 0, "grad_bound",
+                self.grad_bound, ">= 0")
+        require(isinstance(self.local_steps, int | np.integer) and self.local_steps >= 1,
+                "local_steps", self.local_steps, "an integer K >= 1")
+        require(isinstance(self.total_rounds, int | np.integer) and self.total_rounds >= 1,
+                "total_rounds", self.total_rounds, "an integer T >= 1")
+        limit = 2.0 / self.smoothness
+        require(finite(self.lr) and 0 < self.lr < limit, "lr", self.lr,
+                f"in (0, 2/L) = (0, {limit:.4g}); above it local GD is unstable")
+        if self.kernel_distance is not None:
+            require(finite(self.kernel_distance) and self.kernel_distance >= 0,
+                    "kernel_distance", self.kernel_distance, ">= 0")
+        require(finite(self.frozen_floor) and self.frozen_floor >= 0, "frozen_floor",
+                self.frozen_floor, ">= 0")
+        require(finite(self.frozen_contraction) and 0 <= self.frozen_contraction < 1,
+                "frozen_contraction", self.frozen_contraction, "in [0, 1)")
+        require(finite(self.value_error0) and self.value_error0 >= 0, "value_error0",
+                self.value_error0, ">= 0")
+        if self.profile_smoothness is not None:
+            require(finite(self.profile_smoothness) and self.profile_smoothness >= 0,
+                    "profile_smoothness", self.profile_smoothness, ">= 0")
+        if self.measured_drift_error is not None:
+            require(finite(self.measured_drift_error) and self.measured_drift_error >= 0,
+                    "measured_drift_error", self.measured_drift_error, ">= 0")
+
+    @property
+    def time_step(self) -> float:
+        """eta K, the time one round advances."""
+        return self.lr * self.local_steps
+
+    @property
+    def drift_error(self) -> float:
+        """e, the local-drift error per unit time (eq. 22).
+
+        The measured value when one is given, else the heuristic (K - 1) eta L zeta / 2.
+        """
+        if self.measured_drift_error is not None:
+            return self.measured_drift_error
+        return (self.local_steps - 1) * self.lr * self.smoothness * self.heterogeneity / 2.0
+
+    @property
+    def drift_slope(self) -> float:
+        """S = G e, the linear drift slope per unit time (eq. 26)."""
+        return self.grad_bound * self.drift_error
+
+    @property
+    def sublinear_constant(self) -> float | None:
+        """A = D_0^2 / 2 of eq. (25), or None without D_0."""
+        return None if self.kernel_distance is None else 0.5 * self.kernel_distance**2
+
+
+def bias_bound(constants: WarmupConstants, warmup_rounds, regime: str) -> np.ndarray:
+    """Bias_bound(T0) by eq. (24) (``pl``) or eq. (25) (``nonconvex``)."""
+    t0 = np.asarray(warmup_rounds, dtype=np.float64)
+    tau = constants.time_step * t0
+    if regime == "pl":
+        return constants.delta0 * np.exp(-constants.pl_constant * tau)
+    if regime == "nonconvex":
+        a = constants.sublinear_constant
+        if a is None:
+            raise ParameterError("the nonconvex regime needs kernel_distance (D_0); give it")
+        with np.errstate(divide="ignore"):
+            return np.minimum(constants.delta0, a / tau)
+    raise ParameterError(f"regime={regime!r}; allowed: 'pl', 'nonconvex'")
+
+
+def drift_bound(constants: WarmupConstants, warmup_rounds) -> np.ndarray:
+    """Drift_bound(T0) = G dev + (L_Phi/2) dev^2, dev = eta K T0 e (eq. 26)."""
+    dev = constants.time_step * np.asarray(warmup_rounds, dtype=np.float64) * constants.drift_error
+    curvature = (constants.smoothness if constants.profile_smoothness is None
+                 else constants.profile_smoothness)
+    return constants.grad_bound * dev + 0.5 * curvature * dev**2
+
+
+@dataclass(frozen=True)
+class BoundCurves:
+    """The terms of eq. (27) on a grid of T0 values."""
+
+    rounds: np.ndarray
+    bias: np.ndarray
+    drift: np.ndarray
+    frozen: np.ndarray
+    transient: np.ndarray
+    total: np.ndarray
+
+
+def stylized_bound(constants: WarmupConstants, warmup_rounds=None, regime: str = "pl"):
+    """E_bound(T0) of eq. (27) and its terms; ``warmup_rounds`` defaults to 0..T."""
+    t = constants.total_rounds
+    rounds = np.arange(t + 1) if warmup_rounds is None else np.asarray(warmup_rounds)
+    bias = bias_bound(constants, rounds, regime)
+    drift = drift_bound(constants, rounds)
+    frozen = np.full(rounds.shape, constants.frozen_floor, dtype=np.float64)
+    remaining = t - rounds.astype(np.float64)
+    transient = constants.value_error0 * constants.frozen_contraction ** (2.0 * remaining)
+    return BoundCurves(rounds, bias, drift, frozen, transient, bias + drift + frozen + transient)
+
+
+def _clip(x: float, total: int) -> float:
+    return float(min(max(x, 0.0), float(total)))
+
+
+def optimal_warmup_pl(constants: WarmupConstants) -> float:
+    """T0*_PL = ln(mu Delta_0 / S) / (eta K mu), clipped to [0, T] (eq. 28)."""
+    slope, mu = constants.drift_slope, constants.pl_constant
+    if mu <= 0:
+        raise ParameterError("pl_constant=0: the PL regime needs mu > 0")
+    if slope <= 0:
+        return float(constants.total_rounds)
+    return _clip(math.log(mu * constants.delta0 / slope) / (constants.time_step * mu),
+                 constants.total_rounds)
+
+
+def optimal_warmup_nonconvex(constants: WarmupConstants) -> float:
+    """T0*_NC = sqrt(A / S) / (eta K), clipped to [0, T] (eq. 29)."""
+    a, slope = constants.sublinear_constant, constants.drift_slope
+    if a is None:
+        raise ParameterError("the nonconvex regime needs kernel_distance (D_0); give it")
+    if slope <= 0:
+        return float(constants.total_rounds)
+    return _clip(math.sqrt(a / slope) / constants.time_step, constants.total_rounds)
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """What :func:`recommend_warmup` returns.
+
+    Attributes
+    ----------
+    warmup_rounds : int
+        The recommended T0: the closed-form T0* of the chosen regime, rounded.
+    closed_form : float
+        T0* before rounding (eq. 28 or 29).
+    numeric_argmin : int
+        argmin over integer T0 in [0, T] of the full bound (27).
+    regime : str
+        ``pl`` or ``nonconvex``.
+    constants : WarmupConstants
+    rounds, bias, drift, frozen, transient, total : ndarray
+        The bound's terms on T0 = 0..T.
+    """
+
+    warmup_rounds: int
+    closed_form: float
+    numeric_argmin: int
+    regime: str
+    constants: WarmupConstants
+    rounds: np.ndarray
+    bias: np.ndarray
+    drift: np.ndarray
+    frozen: np.ndarray
+    transient: np.ndarray
+    total: np.ndarray
+
+    def explanation(self) -> str:
+        c = self.constants
+        i = self.warmup_rounds
+        lines = [
+            f"T0* = {self.warmup_rounds} of T = {c.total_rounds} rounds ({self.regime} regime; "
+            f"closed form {self.closed_form:.2f}, argmin of the full bound {self.numeric_argmin})",
+            f"  at T0*: bias bound {self.bias[i]:.4g}, drift bound {self.drift[i]:.4g}, "
+            f"frozen floor {self.frozen[i]:.4g}, transient {self.transient[i]:.4g}, "
+            f"total {self.total[i]:.4g}",
+            f"  drift slope S = G e = {c.drift_slope:.4g} per unit eta*K*T0 "
+            + (f"(e measured = {c.drift_error:.4g})" if c.measured_drift_error is not None
+               else f"(e = (K-1) eta L zeta / 2 = {c.drift_error:.4g})"),
+        ]
+        if c.drift_slope == 0:
+            lines.append("  no client drift (zeta = 0 or K = 1): freezing buys nothing, T0* = T")
+        elif self.regime == "pl":
+            lines.append("  longer warm-up shrinks the kernel bias geometrically "
+                         f"(rate mu eta K = {c.pl_constant * c.time_step:.4g} per round) while "
+                         "drift grows linearly; T0* balances the two")
+        else:
+            lines.append("  longer warm-up shrinks the kernel bias like A/(eta K T0) while drift "
+                         "grows linearly; T0* = sqrt(A/S)/(eta K)")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {
+            "warmup_rounds": self.warmup_rounds,
+            "closed_form": self.closed_form,
+            "numeric_argmin": self.numeric_argmin,
+            "regime": self.regime,
+            "constants": {k: (float(v) if v is not None else None)
+                          for k, v in asdict(self.constants).items()},
+        }
+
+
+def _choose_regime(constants: WarmupConstants) -> str:
+    has_pl = constants.pl_constant > 0
+    has_nc = constants.kernel_distance is not None
+    if has_pl and not has_nc:
+        return "pl"
+    if has_nc and not has_pl:
+        return "nonconvex"
+    if not (has_pl or has_nc):
+        raise ParameterError("need pl_constant > 0 or kernel_distance to choose a regime")
+    # both available: the tighter bound at its own optimum
+    pl = stylized_bound(constants, [round(optimal_warmup_pl(constants))], "pl").total[0]
+    nc = stylized_bound(constants, [round(optimal_warmup_nonconvex(constants))],
+                        "nonconvex").total[0]
+    return "pl" if pl <= nc else "nonconvex"
+
+
+def recommend_warmup(constants, regime: str = "auto", **schedule) -> Recommendation:
+    """The optimal warm-up length T0* from the stylized bound (eqs. 27-29).
+
+    Parameters
+    ----------
+    constants : WarmupConstants or Problem
+        Measured constants, or a problem instance whose constants are then measured with
+        :func:`linattn_theory.constants.estimate_constants` (pass ``lr``, ``local_steps``,
+        ``total_rounds`` and optionally ``start``, ``phi_star``, ``probe_rounds`` as keywords).
+    regime : {"auto", "pl", "nonconvex"}
+        ``auto`` takes the regime whose bound is lower at its own T0*.
+    """
+    if not isinstance(constants, WarmupConstants):
+        from linattn_theory.constants import estimate_constants
+        from linattn_theory.problem import Problem
+
+        if not isinstance(constants, Problem):
+            raise ParameterError(
+                f"constants is a {type(constants).__name__}; give WarmupConstants or a Problem"
+            )
+        missing = [k for k in ("lr", "local_steps", "total_rounds") if k not in schedule]
+        if missing:
+            raise ParameterError(f"recommend_warmup(problem, ...) needs keywords {missing}")
+        constants = estimate_constants(constants, **schedule).warmup_constants()
+    elif schedule:
+        raise ParameterError(f"unexpected keywords {sorted(schedule)} with WarmupConstants")
+    if regime not in REGIMES:
+        raise ParameterError(f"regime={regime!r}; allowed: {REGIMES}")
+    chosen = _choose_regime(constants) if regime == "auto" else regime
+    closed = optimal_warmup_pl(constants) if chosen == "pl" else optimal_warmup_nonconvex(constants)
+    curves = stylized_bound(constants, None, chosen)
+    return Recommendation(
+        warmup_rounds=int(round(closed)),
+        closed_form=closed,
+        numeric_argmin=int(np.argmin(curves.total)),
+        regime=chosen,
+        constants=constants,
+        rounds=curves.rounds,
+        bias=curves.bias,
+        drift=curves.drift,
+        frozen=curves.frozen,
+        transient=curves.transient,
+        total=curves.total,
+    )
