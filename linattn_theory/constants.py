@@ -2,9 +2,12 @@
 
 All of them come from the closed forms, measured along the exact paths of eqs. (19)-(20):
 
-- L: the largest |eigenvalue| of the Hessian of F in (M, V), by power iteration on
-  finite-difference Hessian-vector products of the closed-form gradient (eqs. 7-8), at
-  several points of the FedAvg path; the maximum is kept.
+- L: the largest |eigenvalue| of the Hessian of F in (M, V), assembled from central
+  differences of the closed-form gradient (eqs. 7-8) at three points of the FedAvg path; the
+  maximum is kept (``curvature_max`` is the largest signed eigenvalue). Stability of eta is
+  verified on the path itself: ``warmup_paths`` fails if the exact warm-up diverges and
+  ``frozen_stage`` if a local value map expands; so the measured constants carry
+  ``stability_limit = inf`` rather than the worst-case 2/L.
 - mu: the effective PL constant of the warm-up, min(mu_grad, mu_rate). mu_grad is the local
   PL constant of Phi along the reference path, min_t ||grad Phi(M_bar_t)||^2 / (2 (Phi - Phi*));
   mu_rate is the slowest observed linear rate of the reference's gap,
@@ -17,12 +20,14 @@ All of them come from the closed forms, measured along the exact paths of eqs. (
 - e: the local-drift error measured exactly, max_t ||M^FedAvg_{t+1} - M^ref_{t+1}|| / (eta K)
   for one round of each from the same (M_t, V_t) (eq. 22); the heuristic (K-1) eta L zeta / 2
   is an upper estimate of it and is what the closed-form monotonicity (eq. 30) is stated for.
-- D_frozen, rho and E_0: the largest frozen floor, contraction and value-stage error
-  F(M_t, V_t) - Phi(M_t) along FedAvg's path (the bound takes the worst freeze point).
+- D_frozen, rho, E_0^inf and cond(H): the largest frozen floor, contraction, distance
+  1/2 ||V_t - V_inf(M_t)||_H^2 and condition number of H(M_t) along FedAvg's path (the bound
+  takes the worst freeze point; eq. 27a).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -32,7 +37,6 @@ from linattn_theory.frozen import frozen_stage
 from linattn_theory.objectives import global_gradient, local_gradients
 from linattn_theory.problem import Problem
 from linattn_theory.profile import (
-    optimal_value,
     profile_gradient,
     profile_values,
     solve_profile,
@@ -45,6 +49,7 @@ class ProblemConstants:
     """Measured constants of one problem instance and schedule (eq. 23)."""
 
     smoothness: float
+    curvature_max: float
     pl_constant: float
     gradient_pl_constant: float
     profile_smoothness: float
@@ -56,6 +61,7 @@ class ProblemConstants:
     frozen_floor: float
     frozen_contraction: float
     value_error0: float
+    hessian_condition: float
     drift_error: float
     lr: float
     local_steps: int
@@ -77,18 +83,23 @@ class ProblemConstants:
             frozen_floor=self.frozen_floor,
             frozen_contraction=min(self.frozen_contraction, 1.0 - 1e-12),
             value_error0=self.value_error0,
+            hessian_condition=max(self.hessian_condition, 1.0),
             measured_drift_error=self.drift_error,
             profile_smoothness=self.profile_smoothness,
+            stability_limit=math.inf,  # verified on the path, see estimate_constants
         )
 
     def to_dict(self) -> dict:
         return {k: float(v) for k, v in asdict(self).items()}
 
 
-def hessian_norm(problem: Problem, kernel: np.ndarray, value: np.ndarray, iterations: int = 30,
-                 step: float = 1e-5, seed: int = 0) -> float:
-    """Largest |eigenvalue| of the Hessian of F at (M, V), by power iteration on
-    central-difference Hessian-vector products of the closed-form gradient."""
+def hessian_spectrum(problem: Problem, kernel: np.ndarray, value: np.ndarray,
+                     step: float = 1e-5) -> tuple[float, float]:
+    """(largest |eigenvalue|, largest eigenvalue) of the Hessian of F in (M, V).
+
+    The Hessian is assembled column by column from central differences of the closed-form
+    gradient (eqs. 7-8), symmetrised, and diagonalised: 2 (d^2 + d d_y) gradient calls.
+    """
     d, dy = problem.dim, problem.out_dim
     size = d * d + d * dy
 
@@ -97,16 +108,11 @@ def hessian_norm(problem: Problem, kernel: np.ndarray, value: np.ndarray, iterat
         return np.concatenate([gm.ravel(), gv.ravel()])
 
     x0 = np.concatenate([kernel.ravel(), value.ravel()])
-    v = np.random.default_rng(seed).standard_normal(size)
-    v /= np.linalg.norm(v)
-    estimate = 0.0
-    for _ in range(iterations):
-        hv = (grad(x0 + step * v) - grad(x0 - step * v)) / (2 * step)
-        estimate = float(np.linalg.norm(hv))
-        if estimate == 0.0:
-            return 0.0
-        v = hv / estimate
-    return estimate
+    eye = np.eye(size)
+    columns = [(grad(x0 + step * e) - grad(x0 - step * e)) / (2 * step) for e in eye]
+    hess = np.array(columns)
+    eig = np.linalg.eigvalsh(0.5 * (hess + hess.T))
+    return float(np.max(np.abs(eig))), float(np.max(eig))
 
 
 def profile_hessian_norm(problem: Problem, kernel: np.ndarray, iterations: int = 30,
@@ -172,7 +178,7 @@ def estimate_constants(problem: Problem, lr: float, local_steps: int, total_roun
     pl_rate = float(np.min(rates[keep])) if np.any(keep) else pl_grad
     pl = max(min(pl_grad, pl_rate), 0.0)
 
-    het, floors, contractions, value_errs, drift_errs = [], [], [], [], []
+    het, floors, contractions, value_errs, drift_errs, conds = [], [], [], [], [], []
     smooth = 0.0
     p = problem.weights
     for i in idx:
@@ -184,14 +190,15 @@ def estimate_constants(problem: Problem, lr: float, local_steps: int, total_roun
         stage = frozen_stage(problem, m, lr, local_steps)
         floors.append(stage.floor)
         contractions.append(stage.contraction)
-        gapv = v - stage.optimum
+        gapv = v - stage.fixed_point
         value_errs.append(0.5 * float(np.sum(gapv * (stage.hessian @ gapv))))
+        conds.append(float(np.linalg.cond(stage.hessian)))
         fedavg, reference = one_round(problem, m, v, lr, local_steps)
         drift_errs.append(float(np.linalg.norm(fedavg[0] - reference[0])) / (lr * local_steps))
+    top = 0.0
     for i in np.unique(idx[[0, idx.size // 2, -1]]):
-        smooth = max(smooth, hessian_norm(problem, kernels[i], values[i]))
-        smooth = max(smooth, hessian_norm(problem, ref_kernels[i],
-                                          optimal_value(problem, ref_kernels[i])))
+        norm, largest = hessian_spectrum(problem, kernels[i], values[i])
+        smooth, top = max(smooth, norm), max(top, largest)
 
     profile_smooth = 0.0
     for i in np.unique(idx[[0, idx.size // 2, -1]]):
@@ -203,6 +210,7 @@ def estimate_constants(problem: Problem, lr: float, local_steps: int, total_roun
     distance = float(min(np.linalg.norm(m0 - m_star), np.linalg.norm(m0 + m_star)))
     return ProblemConstants(
         smoothness=float(smooth),
+        curvature_max=float(top),
         pl_constant=pl,
         gradient_pl_constant=pl_grad,
         profile_smoothness=float(profile_smooth),
@@ -214,6 +222,7 @@ def estimate_constants(problem: Problem, lr: float, local_steps: int, total_roun
         frozen_floor=float(max(floors)),
         frozen_contraction=float(max(contractions)),
         value_error0=float(max(value_errs)),
+        hessian_condition=float(max(conds)),
         drift_error=float(max(drift_errs)),
         lr=float(lr),
         local_steps=int(local_steps),

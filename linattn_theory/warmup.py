@@ -6,7 +6,8 @@ Time is measured in tau = eta K T0. With constants Delta_0, mu, L, zeta, G, D_0:
     B_NC(T0)  = min(Delta_0, A / (eta K T0)),  A = D_0^2 / 2                         (25)
     dev(T0)   = eta K T0 e,  e = (K - 1) eta L zeta / 2,
     Drift(T0) = G dev(T0) + (L_Phi/2) dev(T0)^2   (linear slope S = G e per unit tau)    (26)
-    E(T0)     = B(T0) + Drift(T0) + D_frozen + rho^{2(T - T0)} E_0                    (27)
+    E(T0)     = B(T0) + Drift(T0) + (sqrt(D_frozen) + kappa_s sqrt(E_0))^2,
+                kappa_s = sqrt(cond H) rho^s,  s = T - T0                              (27, 27a)
     T0*_PL    = ln(mu Delta_0 / S) / (eta K mu)                                       (28)
     T0*_NC    = sqrt(A / S) / (eta K)                                                 (29)
 
@@ -56,7 +57,10 @@ class WarmupConstants:
     frozen_contraction : float
         rho in [0, 1), the frozen-stage contraction for the transient.
     value_error0 : float
-        E_0 (>= 0), the value-stage error when the kernel is frozen.
+        E_0^inf (>= 0) = 1/2 ||V_T0 - V_inf||_H^2, the distance of the value block from the
+        frozen-stage fixed point when the kernel is frozen (eq. 27a).
+    hessian_condition : float
+        cond(H) >= 1, which bounds kappa_s = ||H^{1/2} Abar^s H^{-1/2}|| <= sqrt(cond H) rho^s.
     measured_drift_error : float or None
         e measured directly (for a problem instance: the kernel gap between one FedAvg round
         and one reference round from the same point, divided by eta K; eq. 22). When given
@@ -64,6 +68,11 @@ class WarmupConstants:
     profile_smoothness : float or None
         L_Phi, the smoothness of Phi alone, used in the quadratic drift term when given
         (otherwise L).
+    stability_limit : float or None
+        The largest stable step size. Defaults to 2 / L. ``math.inf`` when stability was
+        verified on the path itself (measured constants: the exact warm-up path stayed finite
+        and every frozen-stage map is a contraction), because L is a worst case over the
+        path that the iterates need not meet.
     """
 
     delta0: float
@@ -78,8 +87,10 @@ class WarmupConstants:
     frozen_floor: float = 0.0
     frozen_contraction: float = 0.0
     value_error0: float = 0.0
+    hessian_condition: float = 1.0
     measured_drift_error: float | None = None
     profile_smoothness: float | None = None
+    stability_limit: float | None = None
 
     def __post_init__(self) -> None:
         def finite(x):
@@ -99,9 +110,10 @@ class WarmupConstants:
                 "local_steps", self.local_steps, "an integer K >= 1")
         require(isinstance(self.total_rounds, int | np.integer) and self.total_rounds >= 1,
                 "total_rounds", self.total_rounds, "an integer T >= 1")
-        limit = 2.0 / self.smoothness
+        limit = 2.0 / self.smoothness if self.stability_limit is None else self.stability_limit
+        require(limit > 0, "stability_limit", limit, "> 0")
         require(finite(self.lr) and 0 < self.lr < limit, "lr", self.lr,
-                f"in (0, 2/L) = (0, {limit:.4g}); above it local GD is unstable")
+                f"in (0, {limit:.4g}) (2 / largest curvature); above it local GD is unstable")
         if self.kernel_distance is not None:
             require(finite(self.kernel_distance) and self.kernel_distance >= 0,
                     "kernel_distance", self.kernel_distance, ">= 0")
@@ -111,6 +123,8 @@ class WarmupConstants:
                 "frozen_contraction", self.frozen_contraction, "in [0, 1)")
         require(finite(self.value_error0) and self.value_error0 >= 0, "value_error0",
                 self.value_error0, ">= 0")
+        require(finite(self.hessian_condition) and self.hessian_condition >= 1,
+                "hessian_condition", self.hessian_condition, ">= 1")
         if self.profile_smoothness is not None:
             require(finite(self.profile_smoothness) and self.profile_smoothness >= 0,
                     "profile_smoothness", self.profile_smoothness, ">= 0")
@@ -169,7 +183,11 @@ def drift_bound(constants: WarmupConstants, warmup_rounds) -> np.ndarray:
 
 @dataclass(frozen=True)
 class BoundCurves:
-    """The terms of eq. (27) on a grid of T0 values."""
+    """The terms of eq. (27) on a grid of T0 values.
+
+    ``frozen`` is D_frozen and ``transient`` the rest of the frozen-stage term of (27a),
+    (sqrt(D_frozen) + kappa_s sqrt(E_0))^2 - D_frozen, so that the columns add up to ``total``.
+    """
 
     rounds: np.ndarray
     bias: np.ndarray
@@ -187,7 +205,9 @@ def stylized_bound(constants: WarmupConstants, warmup_rounds=None, regime: str =
     drift = drift_bound(constants, rounds)
     frozen = np.full(rounds.shape, constants.frozen_floor, dtype=np.float64)
     remaining = t - rounds.astype(np.float64)
-    transient = constants.value_error0 * constants.frozen_contraction ** (2.0 * remaining)
+    kappa = np.sqrt(constants.hessian_condition) * constants.frozen_contraction**remaining
+    value_part = (np.sqrt(constants.frozen_floor) + kappa * np.sqrt(constants.value_error0))**2
+    transient = value_part - constants.frozen_floor
     return BoundCurves(rounds, bias, drift, frozen, transient, bias + drift + frozen + transient)
 
 
@@ -207,13 +227,23 @@ def optimal_warmup_pl(constants: WarmupConstants) -> float:
 
 
 def optimal_warmup_nonconvex(constants: WarmupConstants) -> float:
-    """T0*_NC = sqrt(A / S) / (eta K), clipped to [0, T] (eq. 29)."""
+    """T0*_NC = sqrt(A / S) / (eta K) (eq. 29) with the cap rule (29a), within [0, T].
+
+    The capped bound min(Delta_0, A/tau) + S tau equals Delta_0 at T0 = 0 and 2 sqrt(A S) at
+    tau* = sqrt(A/S); the interior point wins only if it is lower, and when tau* lies beyond T
+    the bound at T is compared with T0 = 0 the same way.
+    """
     a, slope = constants.sublinear_constant, constants.drift_slope
     if a is None:
         raise ParameterError("the nonconvex regime needs kernel_distance (D_0); give it")
     if slope <= 0:
         return float(constants.total_rounds)
-    return _clip(math.sqrt(a / slope) / constants.time_step, constants.total_rounds)
+    if a == 0:
+        return 0.0
+    interior = _clip(math.sqrt(a / slope) / constants.time_step, constants.total_rounds)
+    tau = constants.time_step * interior
+    capped = min(constants.delta0, a / tau) + slope * tau if tau > 0 else constants.delta0
+    return interior if capped < constants.delta0 else 0.0
 
 
 @dataclass(frozen=True)
