@@ -146,7 +146,8 @@ def warmup_paths(problem: Problem, start: InitialPoint, lr: float, local_steps: 
     doubled = _doubled(problem)
     kernels, values, ref_kernels = [_kernel(state)], [state[-1]], [_kernel(ref)]
     for t in range(rounds):
-        state, ref = _round(problem, doubled, state, ref, lr, local_steps)
+        with np.errstate(over="ignore", invalid="ignore"):
+            state, ref = _round(problem, doubled, state, ref, lr, local_steps)
         if not (np.all(np.isfinite(state[0])) and np.all(np.isfinite(ref[0]))):
             raise ParameterError(
                 f"lr={lr:g} with local_steps={local_steps} diverged in warm-up round {t + 1}; "
