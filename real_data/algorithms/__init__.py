@@ -1,0 +1,40 @@
+"""Federated algorithms behind one interface (:class:`Algorithm`), with an explicit registry."""
+
+from __future__ import annotations
+
+from real_data.algorithms.base import Algorithm, AlgorithmContext, RoundPlan, weighted_average
+from real_data.algorithms.fedavg import FedAvg, FedAvgParams
+from real_data.algorithms.fedfrozen import FedFrozen, FedFrozenParams
+from real_data.algorithms.fedprox import FedProx, FedProxParams
+from real_data.algorithms.scaffold import Scaffold, ScaffoldParams
+from real_data.errors import ConfigError
+
+ALGORITHMS: dict[str, type[Algorithm]] = {
+    cls.name: cls for cls in (FedAvg, FedProx, Scaffold, FedFrozen)
+}
+
+__all__ = [
+    "ALGORITHMS",
+    "Algorithm",
+    "AlgorithmContext",
+    "FedAvg",
+    "FedAvgParams",
+    "FedFrozen",
+    "FedFrozenParams",
+    "FedProx",
+    "FedProxParams",
+    "RoundPlan",
+    "Scaffold",
+    "ScaffoldParams",
+    "get_algorithm",
+    "weighted_average",
+]
+
+
+def get_algorithm(name: str) -> type[Algorithm]:
+    """The algorithm class registered under ``name``; unknown names list the valid ones."""
+    if name not in ALGORITHMS:
+        raise ConfigError(
+            f"algorithm.name: unknown algorithm {name!r}; valid: {', '.join(ALGORITHMS)}"
+        )
+    return ALGORITHMS[name]

@@ -1,0 +1,214 @@
+"""The one interface every federated algorithm implements, and the helpers they share.
+
+The round loop (:mod:`real_data.federation`) is written once. Per round it asks the algorithm:
+
+1. :meth:`Algorithm.plan_round` -- which parameters train this round (a mask by name, built
+   from the model's declared groups), which are sent down and up;
+2. :meth:`Algorithm.client_start` -- per-client start values, if any (personalization);
+3. :meth:`Algorithm.regularizer` (+ :meth:`Algorithm.forward`) -- the local objective
+   ``data loss + regularizer``, used by the optimizer and by the logged loss alike;
+4. :meth:`Algorithm.update_client_state` -- per-client persistent state after local training;
+5. :meth:`Algorithm.server_update` -- the new global parameters (and server state);
+6. :meth:`Algorithm.eval_params` -- a client's personalized model for local evaluation.
+
+State. ``client_state`` is a dict of tensors with a leading axis over *all* clients (the loop
+slices the round's clients); ``server_state`` is a dict of tensors, numbers or modules (for
+server-side trainable modules such as a hypernetwork), checkpointed with ``torch.save``.
+``aux_params`` are held once and passed to ``forward`` (a second, frozen model copy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from real_data.engines.base import ClientResults, OptimizerSpec
+from real_data.models.groups import ParamGroup
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """What happens in one round.
+
+    Attributes
+    ----------
+    trainable : tuple of str
+        Parameters the clients train (the per-round mask); the rest stay at their sent values.
+    upload : tuple of str
+        Parameters each client sends back.
+    download : tuple of str
+        Parameters the server sends each client.
+    extra_upload, extra_download : int
+        Additional numbers sent per client (for example SCAFFOLD's control variates).
+    stage : str
+        A label for logs (``"warmup"``, ``"frozen"``, ...).
+    """
+
+    trainable: tuple[str, ...]
+    upload: tuple[str, ...]
+    download: tuple[str, ...]
+    extra_upload: int = 0
+    extra_download: int = 0
+    stage: str = "full"
+
+
+@dataclass(frozen=True)
+class AlgorithmContext:
+    """What an algorithm may know about the run.
+
+    Attributes
+    ----------
+    groups : tuple of ParamGroup
+        The model's declared parameter groups, in forward order.
+    shapes : dict
+        Parameter name -> shape, in model order.
+    num_clients, total_rounds, clients_per_round : int
+    local_steps : int or None
+        K (``None`` when training by epochs).
+    optimizer : OptimizerSpec
+    """
+
+    groups: tuple[ParamGroup, ...]
+    shapes: dict[str, tuple[int, ...]]
+    num_clients: int
+    total_rounds: int
+    clients_per_round: int
+    local_steps: int | None
+    optimizer: OptimizerSpec
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.shapes)
+
+
+class Algorithm:
+    """Base class: FedAvg semantics everywhere; subclasses override a few methods.
+
+    Subclasses set ``name`` (the registry key) and ``Params`` (a frozen dataclass of the
+    algorithm's own settings, documented with the paper's symbols).
+    """
+
+    name: ClassVar[str] = ""
+    Params: ClassVar[type]
+
+    def __init__(self, params, ctx: AlgorithmContext) -> None:
+        self.params = params
+        self.ctx = ctx
+
+    # -- state ------------------------------------------------------------------------------
+    def init_server_state(self, global_params: dict[str, torch.Tensor]) -> dict:
+        """Server state before round 1 (tensors, numbers, modules); default none."""
+        return {}
+
+    def init_client_state(self, global_params: dict[str, torch.Tensor]) -> dict:
+        """Per-client state before round 1, each tensor ``(num_clients, ...)``; default none."""
+        return {}
+
+    def aux_params(self) -> dict[str, torch.Tensor]:
+        """Tensors held once and passed to :meth:`forward` (a frozen second copy); default none."""
+        return {}
+
+    # -- one round --------------------------------------------------------------------------
+    def plan_round(self, rnd: int, server_state: dict) -> RoundPlan:
+        """Round ``rnd`` (1-based): everything trains and is exchanged."""
+        names = self.ctx.names
+        return RoundPlan(names, names, names)
+
+    def client_start(
+        self,
+        client_ids: np.ndarray,
+        global_params: dict[str, torch.Tensor],
+        client_state: dict,
+        server_state: dict,
+    ) -> dict[str, torch.Tensor]:
+        """Per-client start values ``(C, ...)`` that replace global ones; default none."""
+        return {}
+
+    def forward(self, model: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor):
+        """Model output for a batch with the given parameters (functional call)."""
+        return functional_call(model, params, (x,))
+
+    def regularizer(
+        self,
+        params: dict[str, torch.Tensor],
+        anchor: dict[str, torch.Tensor],
+        client_state: dict,
+        server_state: dict,
+    ) -> torch.Tensor | float:
+        """Term added to the data loss in the local objective (``params``: trainable only).
+
+        ``anchor`` holds the received global values of the trainable parameters; the engines
+        call this per client (under ``vmap`` in the vectorized engine), so it must use tensor
+        operations only.
+        """
+        return 0.0
+
+    def update_client_state(
+        self,
+        rnd: int,
+        client_ids: np.ndarray,
+        global_params: dict[str, torch.Tensor],
+        results: ClientResults,
+        client_state: dict,
+        server_state: dict,
+    ) -> None:
+        """Update ``client_state`` in place for the round's clients; default nothing."""
+
+    def server_update(
+        self,
+        rnd: int,
+        plan: RoundPlan,
+        client_ids: np.ndarray,
+        global_params: dict[str, torch.Tensor],
+        results: ClientResults,
+        weights: torch.Tensor,
+        server_state: dict,
+    ) -> dict[str, torch.Tensor]:
+        """New global parameters: the p-weighted average of the uploaded parameters."""
+        new = dict(global_params)
+        for n in plan.upload:
+            new[n] = weighted_average(results.params[n], weights)
+        return new
+
+    def after_round(self, rnd: int, record: dict, server_state: dict) -> dict[str, float]:
+        """Called with the round's global metrics; may update state, returns extra metrics."""
+        return {}
+
+    def eval_params(
+        self,
+        client_id: int,
+        global_params: dict[str, torch.Tensor],
+        client_state: dict,
+        server_state: dict,
+    ) -> dict[str, torch.Tensor] | None:
+        """A client's personalized parameters for its local test split; ``None``: global."""
+        return None
+
+    def download_numel(self, plan: RoundPlan, client_ids: np.ndarray, server_state: dict) -> int:
+        """Numbers sent down this round, summed over the round's clients."""
+        per = sum(_numel(self.ctx.shapes[n]) for n in plan.download) + plan.extra_download
+        return per * len(client_ids)
+
+    def upload_numel(self, plan: RoundPlan, client_ids: np.ndarray, server_state: dict) -> int:
+        """Numbers sent up this round, summed over the round's clients."""
+        per = sum(_numel(self.ctx.shapes[n]) for n in plan.upload) + plan.extra_upload
+        return per * len(client_ids)
+
+    def tag(self) -> str:
+        """Short label with the algorithm's key settings, used in run-directory names."""
+        return self.name
+
+
+def weighted_average(stacked: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum_m p_m x_m over the leading client axis (``weights`` sum to one)."""
+    w = weights.to(stacked.dtype).reshape(-1, *([1] * (stacked.dim() - 1)))
+    return (w * stacked).sum(dim=0)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return int(np.prod(shape, dtype=np.int64))

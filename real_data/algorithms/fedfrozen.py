@@ -1,0 +1,141 @@
+"""FedFrozen (arXiv 2605.06446): FedAvg warm-up, then the attention's Q/K block is frozen."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from real_data.algorithms.base import Algorithm, RoundPlan
+from real_data.algorithms.warmup_probe import estimate_constants, round_statistics
+from real_data.errors import ConfigError, UserError
+from real_data.models.groups import names_of_kind
+
+
+@dataclass(frozen=True)
+class FedFrozenParams:
+    """Attributes
+    ----------
+    warmup_rounds : int or None
+        T0: rounds 1..T0 are FedAvg on the full model; from round T0 + 1 the query/key
+        projections stay at their round-T0 global values. Required when ``warmup="fixed"``.
+    warmup : {"fixed", "auto"}
+        ``auto``: T0 is recommended by ``linattn_theory.warmup.recommend_warmup`` from
+        constants measured during the first ``probe_rounds`` warm-up rounds
+        (:mod:`real_data.algorithms.warmup_probe` documents the estimators); T0 >= probe_rounds.
+    train : {"all_but_qk", "v"}
+        What trains after T0: everything except Q/K, or the value projections only (the
+        restricted value-block problem of the theory).
+    probe_rounds : int
+        Number of warm-up rounds measured for ``warmup="auto"`` (at least 2).
+    """
+
+    warmup_rounds: int | None = None
+    warmup: Literal["fixed", "auto"] = "fixed"
+    train: Literal["all_but_qk", "v"] = "all_but_qk"
+    probe_rounds: int = 5
+
+    def __post_init__(self) -> None:
+        if self.warmup == "fixed" and self.warmup_rounds is None:
+            raise ConfigError("algorithm.warmup_rounds is required when algorithm.warmup=fixed "
+                              "(or set algorithm.warmup=auto)")
+        if self.warmup_rounds is not None and self.warmup_rounds < 0:
+            raise ConfigError(f"algorithm.warmup_rounds={self.warmup_rounds} must be >= 0")
+        if self.probe_rounds < 2:
+            raise ConfigError(f"algorithm.probe_rounds={self.probe_rounds} must be >= 2")
+
+
+class FedFrozen(Algorithm):
+    """Two stages: FedAvg for t <= T0, then Q/K frozen, held once and never sent.
+
+    In the frozen stage the clients train (and upload) only the ``train`` set; the Q/K tensors
+    are the very round-T0 global tensors, shared by every client (the vectorized engine does
+    not stack them). Download: a client receives the frozen Q/K once, the first time it is
+    sampled after T0; after that only the trainable set.
+    """
+
+    name = "fedfrozen"
+    Params = FedFrozenParams
+
+    def __init__(self, params, ctx) -> None:
+        super().__init__(params, ctx)
+        t_total = ctx.total_rounds
+        if params.warmup == "fixed" and params.warmup_rounds > t_total:
+            raise ConfigError(f"algorithm.warmup_rounds={params.warmup_rounds} exceeds "
+                              f"train.rounds={t_total}; allowed: 0..{t_total}")
+        if params.warmup == "auto" and params.probe_rounds > t_total:
+            raise ConfigError(f"algorithm.probe_rounds={params.probe_rounds} exceeds "
+                              f"train.rounds={t_total}")
+        self.qk = names_of_kind(ctx.groups, "qk")
+        if params.train == "v":
+            self.frozen_train = names_of_kind(ctx.groups, "v")
+        else:
+            self.frozen_train = tuple(n for n in ctx.names if n not in self.qk)
+        self._pending: dict[str, float] = {}
+
+    def init_server_state(self, global_params):
+        fixed = self.params.warmup == "fixed"
+        return {"warmup_rounds": self.params.warmup_rounds if fixed else None,
+                "holds_qk": np.zeros(self.ctx.num_clients, dtype=bool), "probe": [],
+                "constants": None}
+
+    def _frozen(self, rnd: int, server_state: dict) -> bool:
+        # a fixed T0 comes from the config (so a T0 sweep can branch a warm-up checkpoint)
+        fixed = self.params.warmup == "fixed"
+        t0 = self.params.warmup_rounds if fixed else server_state["warmup_rounds"]
+        return t0 is not None and rnd > t0
+
+    def plan_round(self, rnd, server_state):
+        if not self._frozen(rnd, server_state):
+            names = self.ctx.names
+            return RoundPlan(names, names, names, stage="warmup")
+        t = self.frozen_train
+        return RoundPlan(t, t, t, stage="frozen")
+
+    def download_numel(self, plan, client_ids, server_state):
+        base = super().download_numel(plan, client_ids, server_state)
+        if plan.stage != "frozen":
+            return base
+        missing = int((~server_state["holds_qk"][client_ids]).sum())
+        return base + missing * sum(int(np.prod(self.ctx.shapes[n])) for n in self.qk)
+
+    def server_update(self, rnd, plan, client_ids, global_params, results, weights,
+                      server_state):
+        if plan.stage == "frozen":
+            server_state["holds_qk"][client_ids] = True
+        elif self.params.warmup == "auto" and server_state["warmup_rounds"] is None:
+            self._probe(rnd, global_params, results, weights, server_state)
+        return super().server_update(rnd, plan, client_ids, global_params, results, weights,
+                                      server_state)
+
+    def _probe(self, rnd, global_params, results, weights, server_state) -> None:
+        probe = server_state["probe"]
+        probe.append(round_statistics(global_params, results.params, results.first_loss,
+                                      results.steps, weights, self.ctx.optimizer.lr))
+        if len(probe) < self.params.probe_rounds:
+            return
+        from linattn_theory.warmup import WarmupConstants, recommend_warmup
+
+        est = estimate_constants(probe, self.ctx.optimizer.lr, self.ctx.total_rounds)
+        floor = est.pop("loss_floor")
+        try:
+            rec = recommend_warmup(WarmupConstants(**est), regime="auto")
+        except ValueError as exc:  # the theory rejects the measured constants
+            raise UserError(f"algorithm.warmup=auto: no T0 from the probe constants {est} "
+                            f"({exc}); set algorithm.warmup=fixed and warmup_rounds") from exc
+        t0 = int(np.clip(rec.warmup_rounds, rnd, self.ctx.total_rounds))
+        server_state["warmup_rounds"] = t0
+        server_state["constants"] = {**est, "loss_floor": floor, "regime": rec.regime,
+                                     "recommended": int(rec.warmup_rounds)}
+        server_state["probe"] = []  # the flat vectors are no longer needed
+        self._pending = {f"probe_{k}": float(v) for k, v in est.items()}
+        self._pending.update(probe_loss_floor=floor, warmup_rounds_recommended=float(t0))
+
+    def after_round(self, rnd, record, server_state):
+        out, self._pending = self._pending, {}
+        return out
+
+    def tag(self) -> str:
+        t0 = "auto" if self.params.warmup == "auto" else str(self.params.warmup_rounds)
+        return f"fedfrozen-{self.params.train}-T0{t0}"

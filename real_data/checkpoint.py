@@ -1,0 +1,55 @@
+"""Checkpoints: the whole :class:`~real_data.federation.FedState` plus every RNG state.
+
+The run's randomness is derived from (seed, round, client) so resuming does not need the RNG
+states; they are saved (and restored) anyway so that any code drawing from a global generator
+resumes identically as well. Files are written atomically (temporary file, then rename).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from real_data.federation import FedState
+
+
+def rng_states() -> dict:
+    out = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+           "python": random.getstate()}
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def restore_rng_states(states: dict) -> None:
+    torch.set_rng_state(states["torch"])
+    np.random.set_state(states["numpy"])
+    random.setstate(states["python"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def save_checkpoint(path: Path, state: FedState, extra: dict) -> None:
+    """Write ``state`` and ``extra`` (elapsed time, config) atomically."""
+    payload = {"round": state.round, "global_params": state.global_params,
+               "client_state": state.client_state, "server_state": state.server_state,
+               "prev_grad_norm_last": state.prev_grad_norm_last, "rng": rng_states(),
+               "extra": extra}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(payload, tmp)
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path, device: torch.device) -> tuple[FedState, dict, dict]:
+    """(state, extra, rng states) from a checkpoint file (our own files: full unpickling)."""
+    payload = torch.load(path, map_location=device, weights_only=False)
+    state = FedState(payload["round"], payload["global_params"], payload["client_state"],
+                     payload["server_state"], payload["prev_grad_norm_last"])
+    return state, payload["extra"], payload["rng"]

@@ -1,0 +1,365 @@
+"""Run configuration: frozen dataclasses loaded from YAML with dotted ``key=value`` overrides.
+
+Every key is type-checked against its dataclass field; unknown keys, wrong types and impossible
+values raise :class:`~real_data.errors.ConfigError` naming the key and the allowed values. The
+``model`` and ``algorithm`` sections hold a ``name`` plus the fields of that model's or
+algorithm's own parameter dataclass (looked up in the registries).
+
+Example YAML::
+
+    name: digits_vit
+    seed: 0
+    data: {name: digits}
+    partition: {scheme: dirichlet, num_clients: 10, alpha: 0.5}
+    model: {name: vit, patch: 2, dim: 32, depth: 2, heads: 2, mlp_dim: 64}
+    algorithm: {name: fedfrozen, warmup_rounds: 5, train: all_but_qk}
+    train: {rounds: 20, local_steps: 5, batch_size: 32, lr: 0.1}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import yaml
+
+from real_data.errors import ConfigError
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+@dataclass(frozen=True)
+class SeedsConfig:
+    """Seeds by role; ``None`` derives each from the top-level ``seed``."""
+
+    partition: int | None = None
+    sampling: int | None = None
+    training: int | None = None
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Which data set (``real_data.data.load_dataset`` names) and loader options."""
+
+    name: str = "digits"
+    root: str | None = None
+    train_limit: int | None = None
+    test_limit: int | None = None
+    seq_len: int | None = None
+
+
+@dataclass(frozen=True)
+class PartitionConfig:
+    """How the training data are split over clients (``real_data.data.make_partition``)."""
+
+    scheme: Literal["iid", "dirichlet", "classes", "natural"] = "dirichlet"
+    num_clients: int = 10
+    alpha: float = 0.5
+    min_size: int = 10
+    classes_per_client: int = 2
+
+    def __post_init__(self) -> None:
+        if self.alpha <= 0:
+            raise ConfigError(f"partition.alpha={self.alpha} must be > 0")
+        if self.num_clients < 1:
+            raise ConfigError(f"partition.num_clients={self.num_clients} must be >= 1")
+        if self.min_size < 1:
+            raise ConfigError(f"partition.min_size={self.min_size} must be >= 1")
+        if self.classes_per_client < 1:
+            raise ConfigError(f"partition.classes_per_client={self.classes_per_client} "
+                              "must be >= 1")
+
+    def scheme_params(self) -> dict[str, Any]:
+        """The parameters of the chosen scheme only."""
+        return {"dirichlet": {"alpha": self.alpha, "min_size": self.min_size},
+                "classes": {"classes_per_client": self.classes_per_client}}.get(self.scheme, {})
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Rounds, participation, local training and the compute device.
+
+    Exactly one of ``local_steps`` (K) and ``local_epochs`` (E) is set; see
+    :mod:`real_data.engines.base` for clients of different sizes.
+    """
+
+    rounds: int = 50
+    clients_per_round: int | None = None
+    local_steps: int | None = 10
+    local_epochs: float | None = None
+    batch_size: int = 32
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    clip_grad_norm: float | None = None
+    engine: Literal["vectorized", "sequential"] = "vectorized"
+    precision: Literal["fp32", "fp64", "bf16"] = "fp32"
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.rounds >= 1, "train.rounds", self.rounds, ">= 1"),
+            (self.batch_size >= 1, "train.batch_size", self.batch_size, ">= 1"),
+            (self.lr > 0, "train.lr", self.lr, "> 0"),
+            (0 <= self.momentum < 1, "train.momentum", self.momentum, "in [0, 1)"),
+            (self.weight_decay >= 0, "train.weight_decay", self.weight_decay, ">= 0"),
+            (self.clip_grad_norm is None or self.clip_grad_norm > 0, "train.clip_grad_norm",
+             self.clip_grad_norm, "> 0 or null"),
+            (self.clients_per_round is None or self.clients_per_round >= 1,
+             "train.clients_per_round", self.clients_per_round, ">= 1 or null (all)"),
+        ]
+        for ok, key, value, allowed in checks:
+            if not ok:
+                raise ConfigError(f"{key}={value} must be {allowed}")
+        if (self.local_steps is None) == (self.local_epochs is None):
+            raise ConfigError("set exactly one of train.local_steps and train.local_epochs "
+                              "(the other null)")
+        if self.local_steps is not None and self.local_steps < 1:
+            raise ConfigError(f"train.local_steps={self.local_steps} must be >= 1")
+        if self.local_epochs is not None and self.local_epochs <= 0:
+            raise ConfigError(f"train.local_epochs={self.local_epochs} must be > 0")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Evaluation schedule; ``clients`` adds per-client local-test metrics."""
+
+    every: int = 1
+    batch_size: int = 1024
+    clients: bool = True
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ConfigError(f"eval.every={self.every} must be >= 1")
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    """Where and how a run is written."""
+
+    out_dir: str = "runs"
+    checkpoint_every: int = 1
+    progress: bool = True
+    tensorboard: bool = False
+    plot: bool = True
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_every < 1:
+            raise ConfigError(f"run.checkpoint_every={self.checkpoint_every} must be >= 1")
+
+
+@dataclass(frozen=True)
+class Named:
+    """A registry name plus that entry's own parameter dataclass."""
+
+    name: str
+    params: Any
+
+
+@dataclass(frozen=True)
+class Config:
+    """A whole run. ``model`` and ``algorithm`` are :class:`Named` sections."""
+
+    name: str
+    model: Named
+    algorithm: Named
+    seed: int = 0
+    seeds: SeedsConfig = field(default_factory=SeedsConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    run: OutputConfig = field(default_factory=OutputConfig)
+
+    def role_seed(self, role: str) -> int:
+        """The seed of one role (``partition``, ``sampling``, ``training``)."""
+        given = getattr(self.seeds, role)
+        if given is not None:
+            return given
+        index = ("partition", "sampling", "training").index(role)
+        return int(np.random.SeedSequence([self.seed, index]).generate_state(1)[0])
+
+
+# -- type checking ----------------------------------------------------------------------------
+def _describe(tp) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def _check(value: Any, tp, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value in typing.get_args(tp) and isinstance(value, type(typing.get_args(tp)[0])):
+            return value
+    elif origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _check(value, arg, key)
+            except ConfigError:
+                continue
+    elif tp is type(None):
+        if value is None:
+            return None
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif origin is tuple:
+        args = typing.get_args(tp)
+        if isinstance(value, list | tuple) and len(value) == len(args):
+            return tuple(_check(v, a, key) for v, a in zip(value, args))
+    raise ConfigError(f"{key}={value!r} has the wrong type; expected {_describe(tp)}")
+
+
+def build_dataclass(cls: type, data: dict | None, prefix: str):
+    """Instantiate ``cls`` from a mapping, checking keys and types; errors name ``prefix.key``."""
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ConfigError(f"unknown key(s) {', '.join(where + k for k in unknown)}; valid keys "
+                          f"in {prefix or 'the top level'}: {', '.join(sorted(fields)) or 'none'}")
+    kwargs = {k: _check(v, hints[k], f"{prefix}.{k}" if prefix else k) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def _named(section: dict | None, key: str, lookup) -> Named:
+    if not isinstance(section, dict) or "name" not in section:
+        raise ConfigError(f"{key}.name is required")
+    body = dict(section)
+    name = _check(body.pop("name"), str, f"{key}.name")
+    return Named(name, build_dataclass(lookup(name), body, key))
+
+
+def config_from_dict(data: dict) -> Config:
+    """Build and check a :class:`Config` from a plain mapping (as read from YAML)."""
+    from real_data.algorithms import get_algorithm
+    from real_data.models import model_config_class
+
+    if not isinstance(data, dict):
+        raise ConfigError("a config file must hold a mapping")
+    data = dict(data)
+    sections = {
+        "model": _named(data.pop("model", None), "model", model_config_class),
+        "algorithm": _named(data.pop("algorithm", None), "algorithm",
+                            lambda n: get_algorithm(n).Params),
+    }
+    for key, cls in [("seeds", SeedsConfig), ("data", DataConfig), ("partition", PartitionConfig),
+                     ("train", TrainConfig), ("eval", EvalConfig), ("run", OutputConfig)]:
+        if key in data:
+            sections[key] = build_dataclass(cls, data.pop(key), key)
+    if "name" not in data:
+        raise ConfigError("name is required (a label for the run)")
+    unknown = sorted(set(data) - {"name", "seed"})
+    if unknown:
+        raise ConfigError(f"unknown key(s) {', '.join(unknown)}; valid top-level keys: "
+                          "name, seed, seeds, data, partition, model, algorithm, train, eval, run")
+    cfg = Config(name=_check(data["name"], str, "name"),
+                 seed=_check(data.get("seed", 0), int, "seed"), **sections)
+    t = cfg.train
+    if t.clients_per_round is not None and t.clients_per_round > cfg.partition.num_clients:
+        raise ConfigError(f"train.clients_per_round={t.clients_per_round} exceeds "
+                          f"partition.num_clients={cfg.partition.num_clients}")
+    return cfg
+
+
+def config_to_dict(cfg: Config) -> dict:
+    """The plain mapping that :func:`config_from_dict` reads back to an equal config."""
+    out: dict[str, Any] = {"name": cfg.name, "seed": cfg.seed}
+    for key in ("seeds", "data", "partition"):
+        out[key] = dataclasses.asdict(getattr(cfg, key))
+    for key in ("model", "algorithm"):
+        sec = getattr(cfg, key)
+        out[key] = {"name": sec.name, **dataclasses.asdict(sec.params)}
+    for key in ("train", "eval", "run"):
+        out[key] = dataclasses.asdict(getattr(cfg, key))
+    return _plain(out)
+
+
+def _plain(x):
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_plain(v) for v in x]
+    return x
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``["train.lr=0.1", "algorithm.name=fedavg"]`` -> ``{"train.lr": 0.1, ...}`` (YAML values)."""
+    out = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        try:
+            out[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"override {item!r}: value is not valid YAML ({exc})") from None
+    return out
+
+
+def apply_overrides(data: dict, overrides: dict[str, Any]) -> dict:
+    """Set dotted keys in a nested mapping (copying it).
+
+    Changing ``model.name`` or ``algorithm.name`` drops that section's other keys from the file
+    (they belong to the old entry); keys given as overrides are kept.
+    """
+    data = _plain(data)
+    for section in ("model", "algorithm"):
+        new = overrides.get(f"{section}.name")
+        if new is not None and isinstance(data.get(section), dict) and \
+                data[section].get("name") != new:
+            data[section] = {"name": new}
+    for key, value in overrides.items():
+        parts = key.split(".")
+        node = data
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {key}: {part} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def find_config(path_or_name: str) -> Path:
+    """A YAML path, or the name of a shipped config (``digits_vit``)."""
+    p = Path(path_or_name)
+    if p.is_file():
+        return p
+    shipped = CONFIG_DIR / f"{path_or_name}.yaml"
+    if shipped.is_file():
+        return shipped
+    names = sorted(q.stem for q in CONFIG_DIR.glob("*.yaml"))
+    raise ConfigError(f"config {path_or_name!r} not found; shipped configs: {', '.join(names)}")
+
+
+def load_config(path_or_name: str, overrides: list[str] | None = None) -> Config:
+    """Read a YAML config, apply dotted overrides, check everything."""
+    path = find_config(path_or_name)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({exc})") from None
+    return config_from_dict(apply_overrides(data, parse_overrides(overrides or [])))

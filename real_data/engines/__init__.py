@@ -1,0 +1,45 @@
+"""Engines train one round's sampled clients: ``engine(job: LocalJob) -> ClientResults``.
+
+``vectorized`` stacks the clients and uses ``torch.func.vmap``; ``sequential`` is the plain
+reference loop. Both share :func:`make_batches`, so they see the same minibatches.
+"""
+
+from __future__ import annotations
+
+from real_data.engines.base import (
+    Batches,
+    ClientResults,
+    Engine,
+    LocalJob,
+    OptimizerSpec,
+    client_rng,
+    make_batches,
+    task_loss,
+)
+from real_data.engines.sequential import train_sequential
+from real_data.engines.vectorized import train_vectorized
+from real_data.errors import ConfigError
+
+ENGINES: dict[str, Engine] = {"vectorized": train_vectorized, "sequential": train_sequential}
+
+__all__ = [
+    "ENGINES",
+    "Batches",
+    "ClientResults",
+    "Engine",
+    "LocalJob",
+    "OptimizerSpec",
+    "client_rng",
+    "get_engine",
+    "make_batches",
+    "task_loss",
+    "train_sequential",
+    "train_vectorized",
+]
+
+
+def get_engine(name: str) -> Engine:
+    """Look up an engine; unknown names list the valid ones."""
+    if name not in ENGINES:
+        raise ConfigError(f"train.engine: unknown engine {name!r}; valid: {', '.join(ENGINES)}")
+    return ENGINES[name]

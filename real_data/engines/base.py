@@ -1,0 +1,204 @@
+"""What an engine is given (:class:`LocalJob`) and returns (:class:`ClientResults`).
+
+Randomness. Client ``m`` in round ``t`` draws its minibatches from
+``numpy.random.default_rng([training_seed, t, m])``, so every engine (and a resumed run) sees
+the same batches. Dropout draws from the torch RNG forked and seeded from the same triple
+(sequential engine) or from ``(training_seed, t)`` (vectorized engine): with dropout on, the two
+engines agree in distribution only.
+
+Local work. ``local_steps=K``: every client takes K steps of ``batch_size`` samples.
+``local_epochs=E``: client m takes ``ceil(E * n_m / B)`` steps, so a larger client does more
+steps (as in FedAvg's paper); a client that finishes early is idle (masked) while the others
+finish. In both modes the B indices of a step come from successive random permutations of the
+client's samples, so a client with fewer than B samples repeats some within a batch and no
+batch is ever short.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """Local optimizer, the same in every engine (PyTorch's SGD and Adam update rules).
+
+    Attributes
+    ----------
+    name : {"sgd", "adam"}
+    lr : float
+        Step size eta.
+    momentum : float
+        SGD heavy-ball momentum (dampening 0, not Nesterov).
+    weight_decay : float
+        L2 coefficient added to the gradient (both optimizers, as in ``torch.optim``).
+    betas, eps : Adam's constants.
+    clip_grad_norm : float or None
+        Per-client clipping of the total gradient norm, as ``clip_grad_norm_``.
+
+    Optimizer state (momentum buffers, Adam moments) is per client and starts from zero in
+    every round.
+    """
+
+    name: str = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    clip_grad_norm: float | None = None
+
+
+@dataclass(frozen=True)
+class Batches:
+    """Minibatch plan for one round.
+
+    Attributes
+    ----------
+    idx : torch.Tensor
+        ``(C, S, B)`` int64 indices into ``x_train``; S is the most steps any client takes.
+    active : torch.Tensor
+        ``(C, S)`` bool, False for the idle steps of clients that finished early.
+    steps : torch.Tensor
+        ``(C,)`` int64 steps per client.
+    """
+
+    idx: torch.Tensor
+    active: torch.Tensor
+    steps: torch.Tensor
+
+
+def client_rng(training_seed: int, rnd: int, client: int) -> np.random.Generator:
+    """The batch-sampling generator of one client in one round."""
+    return np.random.default_rng([training_seed, rnd, client])
+
+
+def make_batches(
+    train_idx: tuple[np.ndarray, ...],
+    client_ids: np.ndarray,
+    training_seed: int,
+    rnd: int,
+    batch_size: int,
+    local_steps: int | None,
+    local_epochs: float | None,
+    device: torch.device | str = "cpu",
+) -> Batches:
+    """Draw every sampled client's minibatch indices for round ``rnd`` (see module docstring)."""
+    plans, steps = [], []
+    for m in client_ids:
+        own = np.asarray(train_idx[m])
+        n = len(own)
+        s = local_steps if local_steps is not None else math.ceil(local_epochs * n / batch_size)
+        s = max(int(s), 1)
+        rng = client_rng(training_seed, rnd, int(m))
+        need = s * batch_size
+        order = np.concatenate([rng.permutation(n) for _ in range(math.ceil(need / n))])
+        plans.append(own[order[:need]].reshape(s, batch_size))
+        steps.append(s)
+    s_max = max(steps)
+    idx = np.empty((len(client_ids), s_max, batch_size), dtype=np.int64)
+    active = np.zeros((len(client_ids), s_max), dtype=bool)
+    for c, (plan, s) in enumerate(zip(plans, steps)):
+        idx[c, :s], idx[c, s:] = plan, plan[0]
+        active[c, :s] = True
+    return Batches(
+        torch.from_numpy(idx).to(device),
+        torch.from_numpy(active).to(device),
+        torch.tensor(steps, dtype=torch.int64),
+    )
+
+
+def task_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over samples (images) or over all positions (text), in >= fp32."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+@dataclass
+class LocalJob:
+    """One round of local training for the sampled clients.
+
+    Attributes
+    ----------
+    model : nn.Module
+        Weightless template: only its structure is used (through ``algorithm.forward``).
+    algorithm : Algorithm
+        Supplies ``forward`` and ``regularizer`` (the local objective).
+    global_params : dict
+        Global values of every parameter; the start point of each client.
+    overrides : dict
+        Per-client start values ``(C, ...)`` replacing global ones (personalization).
+    trainable : tuple of str
+        Names trained this round; everything else is frozen (held once unless overridden).
+    client_state, server_state : dict
+        Algorithm state; ``client_state`` is sliced to the round's clients ``(C, ...)``.
+    batches : Batches
+    x, y : torch.Tensor
+        Training split on the device.
+    optimizer : OptimizerSpec
+    dropout_seed : int
+        Seeds the forked torch RNG (see the module docstring).
+    client_ids : np.ndarray
+    autocast : torch.dtype or None
+        bf16 autocast on CUDA, ``None`` otherwise.
+    """
+
+    model: nn.Module
+    algorithm: object
+    global_params: dict[str, torch.Tensor]
+    trainable: tuple[str, ...]
+    batches: Batches
+    x: torch.Tensor
+    y: torch.Tensor
+    optimizer: OptimizerSpec
+    client_ids: np.ndarray
+    dropout_seed: int = 0
+    overrides: dict[str, torch.Tensor] = field(default_factory=dict)
+    client_state: dict[str, torch.Tensor] = field(default_factory=dict)
+    server_state: dict = field(default_factory=dict)
+    autocast: torch.dtype | None = None
+
+    def start(self, name: str) -> torch.Tensor:
+        """Stacked ``(C, ...)`` start values of one parameter."""
+        if name in self.overrides:
+            return self.overrides[name]
+        g = self.global_params[name]
+        return g.unsqueeze(0).expand(len(self.client_ids), *g.shape)
+
+
+@dataclass
+class ClientResults:
+    """What local training returns; per-client tensors have a leading axis of C clients.
+
+    Attributes
+    ----------
+    params : dict
+        Final values of the trainable parameters, ``(C, ...)``.
+    data_loss, objective : torch.Tensor
+        ``(C,)`` mean over the client's steps of the data loss and of the full local objective
+        (data loss + algorithm regularizer), both from the same forward pass.
+    first_loss : torch.Tensor
+        ``(C,)`` data loss of the first minibatch, at the received model.
+    grad_norm_first, grad_norm_last : torch.Tensor
+        ``(C,)`` objective-gradient norm (before clipping) at the first and last step.
+    steps : torch.Tensor
+        ``(C,)`` number of local steps.
+    """
+
+    params: dict[str, torch.Tensor]
+    data_loss: torch.Tensor
+    objective: torch.Tensor
+    first_loss: torch.Tensor
+    grad_norm_first: torch.Tensor
+    grad_norm_last: torch.Tensor
+    steps: torch.Tensor
+
+
+Engine = Callable[[LocalJob], ClientResults]

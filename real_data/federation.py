@@ -1,0 +1,230 @@
+"""The round loop, written once for every algorithm and engine.
+
+A :class:`Federation` binds a resolved config to data, a partition, a model template, an
+algorithm and an engine; :meth:`Federation.run_round` advances a :class:`FedState` by one round
+and returns the round's metric records. Nothing here writes files (see :mod:`real_data.runs`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from real_data.algorithms import AlgorithmContext, get_algorithm
+from real_data.config import Config
+from real_data.engines import LocalJob, OptimizerSpec, get_engine, make_batches
+from real_data.metrics import (
+    evaluate,
+    local_summary,
+    relative_change,
+    step_flops,
+    update_dispersion,
+)
+from real_data.models import build_model, complete_model_config, names_of_kind
+
+BYTES_PER_NUMBER = 4  # communication is counted in float32, whatever the compute precision
+
+Record = tuple[int, str, str, float]  # (round, "global" or client id, metric, value)
+
+
+class Diverged(RuntimeError):
+    """A non-finite loss or parameter; the round's results are discarded."""
+
+
+@dataclass
+class FedState:
+    """Everything that changes from round to round (checkpointed whole).
+
+    Attributes
+    ----------
+    round : int
+        Rounds completed (0 before training).
+    global_params : dict
+    client_state, server_state : dict
+        The algorithm's state (see :mod:`real_data.algorithms.base`).
+    prev_grad_norm_last : float or None
+        Mean last-step gradient norm of the previous round (for ``grad_norm_jump``).
+    """
+
+    round: int
+    global_params: dict[str, torch.Tensor]
+    client_state: dict = field(default_factory=dict)
+    server_state: dict = field(default_factory=dict)
+    prev_grad_norm_last: float | None = None
+
+
+def sample_clients(seed: int, rnd: int, num_clients: int, per_round: int | None) -> np.ndarray:
+    """Sorted ids of the clients of round ``rnd``, from ``default_rng([seed, rnd])``."""
+    if per_round is None or per_round >= num_clients:
+        return np.arange(num_clients)
+    rng = np.random.default_rng([seed, rnd])
+    return np.sort(rng.choice(num_clients, size=per_round, replace=False))
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> CUDA when available, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class Federation:
+    """One federated training setup (see module docstring)."""
+
+    def __init__(self, cfg: Config, dataset, partition, device: torch.device | None = None):
+        t = cfg.train
+        self.cfg = cfg
+        self.device = device or resolve_device(t.device)
+        self.dtype = torch.float64 if t.precision == "fp64" else torch.float32
+        use_bf16 = t.precision == "bf16" and self.device.type == "cuda"
+        self.autocast = torch.bfloat16 if use_bf16 else None
+        data = dataset.to(self.device)
+        cast = (lambda v: v.to(self.dtype)) if data.x_train.is_floating_point() else (lambda v: v)
+        self.x_train, self.y_train = cast(data.x_train), data.y_train
+        self.x_test, self.y_test = cast(data.x_test), data.y_test
+        self.partition = partition
+        self.sizes = torch.as_tensor(partition.sizes, dtype=torch.float64)
+        mcfg = complete_model_config(cfg.model.name, cfg.model.params, dataset.input_shape,
+                                     dataset.num_classes)
+        self.model = build_model(cfg.model.name, mcfg, cfg.role_seed("training"), self.dtype)
+        self.model.to(self.device).eval()  # dropout switched on per engine through train()
+        self.groups = self.model.param_groups()
+        self.qk_names = names_of_kind(self.groups, "qk")
+        self.optimizer = OptimizerSpec(name=t.optimizer, lr=t.lr, momentum=t.momentum,
+                                       weight_decay=t.weight_decay,
+                                       clip_grad_norm=t.clip_grad_norm)
+        shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
+        ctx = AlgorithmContext(self.groups, shapes, partition.num_clients, t.rounds,
+                               t.clients_per_round or partition.num_clients, t.local_steps,
+                               self.optimizer)
+        self.algorithm = get_algorithm(cfg.algorithm.name)(cfg.algorithm.params, ctx)
+        self.engine = get_engine(t.engine)
+        self._flops: dict[tuple[str, ...], int] = {}
+
+    # -- state --------------------------------------------------------------------------------
+    def initial_state(self) -> FedState:
+        params = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        return FedState(0, params, self.algorithm.init_client_state(params),
+                        self.algorithm.init_server_state(params))
+
+    # -- one round ----------------------------------------------------------------------------
+    def run_round(self, state: FedState, rnd: int) -> tuple[FedState, list[Record]]:
+        """Advance ``state`` (at round ``rnd - 1``) by round ``rnd``; raise Diverged on NaN."""
+        cfg, algo = self.cfg, self.algorithm
+        t = cfg.train
+        # 1. who takes part, what trains, with which weights and minibatches
+        ids = sample_clients(cfg.role_seed("sampling"), rnd, self.partition.num_clients,
+                             t.clients_per_round)
+        plan = algo.plan_round(rnd, state.server_state)
+        w = self.sizes[ids]
+        weights = (w / w.sum()).to(self.device)
+        batches = make_batches(self.partition.train, ids, cfg.role_seed("training"), rnd,
+                               t.batch_size, t.local_steps, t.local_epochs, self.device)
+        bytes_down = BYTES_PER_NUMBER * algo.download_numel(plan, ids, state.server_state)
+        bytes_up = BYTES_PER_NUMBER * algo.upload_numel(plan, ids, state.server_state)
+        # 2. local training on every sampled client
+        idx = torch.as_tensor(ids, device=self.device)
+        job = LocalJob(
+            model=self.model, algorithm=algo, global_params=state.global_params,
+            trainable=plan.trainable, batches=batches, x=self.x_train, y=self.y_train,
+            optimizer=self.optimizer, client_ids=ids,
+            dropout_seed=int(np.random.SeedSequence([cfg.role_seed("training"), rnd])
+                             .generate_state(1)[0]),
+            overrides=algo.client_start(ids, state.global_params, state.client_state,
+                                        state.server_state),
+            client_state={k: v[idx] for k, v in state.client_state.items()},
+            server_state=state.server_state, autocast=self.autocast)
+        if self.model.training != (self._dropout > 0):
+            self.model.train(self._dropout > 0)
+        results = self.engine(job)
+        self.model.eval()
+        _check_finite(rnd, ids, results.objective, results.params)
+        # 3. client state, then the server update
+        algo.update_client_state(rnd, ids, state.global_params, results, state.client_state,
+                                 state.server_state)
+        new_params = algo.server_update(rnd, plan, ids, state.global_params, results, weights,
+                                        state.server_state)
+        _check_finite(rnd, ids, None, {n: new_params[n] for n in plan.upload})
+        # 4. diagnostics of the round
+        p = weights.double()
+        g = {
+            "train_loss": float((p * results.data_loss.to(p.device)).sum()),
+            "local_objective": float((p * results.objective.to(p.device)).sum()),
+            "bytes_up": float(bytes_up),
+            "bytes_down": float(bytes_down),
+            "train_flops": float(int(results.steps.sum()) * self._step_flops(plan.trainable)),
+            "trainable_params": float(sum(new_params[n].numel() for n in plan.trainable)),
+            "qk_change": relative_change(state.global_params, new_params, self.qk_names),
+        }
+        g["update_dispersion"], g["update_norm"] = update_dispersion(
+            state.global_params, results.params, weights)
+        g["update_dispersion_rel"] = g["update_dispersion"] / max(g["update_norm"], 1e-300)
+        if state.prev_grad_norm_last is not None:
+            g["grad_norm_jump"] = float(results.grad_norm_first.mean()) / max(
+                state.prev_grad_norm_last, 1e-300)
+        records: list[Record] = []
+        for c, m in enumerate(ids):
+            records.append((rnd, str(int(m)), "train_loss", float(results.data_loss[c])))
+        new_state = FedState(rnd, new_params, state.client_state, state.server_state,
+                             float(results.grad_norm_last.mean()))
+        # 5. evaluation
+        if rnd % cfg.eval.every == 0 or rnd == t.rounds:
+            g_eval, per_client = self.evaluate(new_state)
+            g.update(g_eval)
+            records += [(rnd, str(m), "local_test_acc", a) for m, a in per_client.items()]
+        g.update(algo.after_round(rnd, g, state.server_state))
+        records += [(rnd, "global", k, v) for k, v in sorted(g.items())]
+        return new_state, records
+
+    @property
+    def _dropout(self) -> float:
+        return float(getattr(self.cfg.model.params, "dropout", 0.0))
+
+    def evaluate(self, state: FedState) -> tuple[dict[str, float], dict[int, float]]:
+        """Global test loss/accuracy and every client's local test accuracy."""
+        algo, bs = self.algorithm, self.cfg.eval.batch_size
+
+        def fwd(params):
+            return lambda xb: algo.forward(self.model, params, xb)
+
+        loss, hit = evaluate(fwd(state.global_params), self.x_test, self.y_test, bs,
+                             self.autocast)
+        out = {"test_loss": float(loss.mean()), "test_acc": float(hit.mean())}
+        per_client: dict[int, float] = {}
+        if self.cfg.eval.clients:
+            hit_np = hit.cpu().numpy()
+            for m, test_idx in enumerate(self.partition.test):
+                own = algo.eval_params(m, state.global_params, state.client_state,
+                                       state.server_state)
+                if own is None:
+                    per_client[m] = float(hit_np[test_idx].mean()) if len(test_idx) else 0.0
+                else:
+                    ix = torch.as_tensor(test_idx, device=self.device)
+                    _, h = evaluate(fwd(own), self.x_test[ix], self.y_test[ix], bs,
+                                    self.autocast)
+                    per_client[m] = float(h.mean())
+            out.update(local_summary(np.array(list(per_client.values()))))
+        return out, per_client
+
+    def _step_flops(self, trainable: tuple[str, ...]) -> int:
+        if trainable not in self._flops:
+            b = self.cfg.train.batch_size
+            ix = torch.arange(min(b, len(self.x_train)), device=self.device)
+            params = {n: p.detach() for n, p in self.model.named_parameters()}
+            self._flops[trainable] = step_flops(
+                lambda ps, xb: self.algorithm.forward(self.model, ps, xb), params, trainable,
+                self.x_train[ix], self.y_train[ix])
+        return self._flops[trainable]
+
+
+def _check_finite(rnd, ids, objective, params) -> None:
+    bad = []
+    if objective is not None:
+        bad = [int(ids[c]) for c in torch.nonzero(~torch.isfinite(objective)).flatten().tolist()]
+    if not bad and not all(bool(torch.isfinite(v).all()) for v in params.values()):
+        bad = ["(aggregate)"]
+    if bad:
+        raise Diverged(f"non-finite loss or parameters in round {rnd} (clients {bad[:10]}); "
+                       "try a smaller train.lr or set train.clip_grad_norm")

@@ -1,0 +1,117 @@
+"""Evaluation and per-round diagnostics: accuracy, stability, communication and compute.
+
+Stability metrics (logged per round, global rows of ``metrics.csv``):
+
+- ``grad_norm_jump``: mean over the round's clients of the first-step gradient norm at the new
+  global model, divided by the previous round's mean last-step norm (at the clients' own
+  models). Values well above 1 mean that aggregation landed somewhere much steeper.
+- ``update_dispersion``: sqrt(sum_m p_m ||Delta_m - Delta||^2), Delta_m = y_m - x_t over the
+  trained parameters and Delta = sum_m p_m Delta_m; ``update_dispersion_rel`` divides by
+  ||Delta||.
+- ``qk_change``: ||QK_{t+1} - QK_t|| / ||QK_t|| over all query/key parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from real_data.engines.base import task_loss
+
+
+@torch.no_grad()
+def evaluate(
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    batch_size: int,
+    autocast: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample loss and accuracy (text: averaged over positions), each ``(N,)`` float64."""
+    losses, correct = [], []
+    for start in range(0, len(x), batch_size):
+        xb, yb = x[start:start + batch_size], y[start:start + batch_size]
+        ctx = (torch.autocast(x.device.type, dtype=autocast) if autocast
+               else contextlib.nullcontext())
+        with ctx:
+            logits = forward(xb)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        lv = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), yb.reshape(-1),
+                             reduction="none").reshape(yb.shape)
+        hit = (logits.argmax(-1) == yb).to(torch.float64)
+        if yb.dim() > 1:  # text: mean over positions
+            lv, hit = lv.mean(dim=1), hit.mean(dim=1)
+        losses.append(lv.double())
+        correct.append(hit)
+    return torch.cat(losses), torch.cat(correct)
+
+
+def worst_fraction_mean(values: np.ndarray, fraction: float = 0.1) -> float:
+    """Mean of the lowest ``fraction`` of values (at least one)."""
+    k = max(1, int(np.floor(fraction * len(values))))
+    return float(np.sort(values)[:k].mean())
+
+
+def local_summary(per_client_acc: np.ndarray) -> dict[str, float]:
+    """Mean, std and worst-10% mean of the clients' local test accuracies."""
+    return {"local_acc_mean": float(per_client_acc.mean()),
+            "local_acc_std": float(per_client_acc.std()),
+            "local_acc_worst10": worst_fraction_mean(per_client_acc, 0.1)}
+
+
+def update_dispersion(
+    global_params: dict[str, torch.Tensor],
+    client_params: dict[str, torch.Tensor],
+    weights: torch.Tensor,
+) -> tuple[float, float]:
+    """(sqrt(sum_m p_m ||Delta_m - Delta||^2), ||Delta||) over the trained parameters."""
+    p = weights.double()
+    sq = torch.zeros(len(p), dtype=torch.float64, device=p.device)
+    mean_sq = torch.zeros((), dtype=torch.float64, device=p.device)
+    for n, y in client_params.items():
+        d = (y - global_params[n].unsqueeze(0)).double().flatten(1)  # (C, P_n)
+        mean = (p.unsqueeze(1) * d).sum(0)
+        sq += (d - mean).pow(2).sum(1)
+        mean_sq += mean.pow(2).sum()
+    return float(torch.sqrt((p * sq).sum())), float(torch.sqrt(mean_sq))
+
+
+def relative_change(
+    old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], names: Iterable[str]
+) -> float:
+    """||new - old|| / ||old|| over the named tensors (0 when they are empty)."""
+    names = list(names)
+    if not names:
+        return 0.0
+    num = sum(float((new[n].double() - old[n].double()).pow(2).sum()) for n in names)
+    den = sum(float(old[n].double().pow(2).sum()) for n in names)
+    return float(np.sqrt(num / den)) if den > 0 else float(np.sqrt(num))
+
+
+def step_flops(
+    forward: Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor],
+    params: dict[str, torch.Tensor],
+    trainable: Iterable[str],
+    x: torch.Tensor,
+    y: torch.Tensor,
+) -> int:
+    """FLOPs of one local step (forward + backward to the trainable parameters only).
+
+    Counted by ``torch.utils.flop_counter`` on one real minibatch: weight gradients of frozen
+    parameters are not computed, so a frozen stage's saving is measured, not assumed.
+    """
+    trainable = set(trainable)
+    live = {n: (p.detach().clone().requires_grad_(True) if n in trainable else p.detach())
+            for n, p in params.items()}
+    counter = FlopCounterMode(display=False)
+    with counter:
+        loss = task_loss(forward(live, x), y)
+        wrt = [live[n] for n in params if n in trainable]
+        if wrt:
+            torch.autograd.grad(loss, wrt)
+    return int(counter.get_total_flops())

@@ -1,0 +1,245 @@
+"""Runs: check a config, write a run directory, train round by round, checkpoint, resume.
+
+``start_run`` checks everything (config, data, partition, model, algorithm) before it creates
+a directory, so a bad config writes nothing. Each round appends its rows to ``metrics.csv``
+and then replaces ``checkpoints/last.pt``; ``resume_run`` drops rows newer than the
+checkpoint and continues, so a run killed at any point ends with the same ``metrics.csv`` as
+an uninterrupted one. A non-finite loss stops the run, keeps the last good checkpoint and
+records ``status: diverged`` in ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from real_data import rundir
+from real_data.checkpoint import load_checkpoint, restore_rng_states, save_checkpoint
+from real_data.config import Config, config_from_dict, config_to_dict
+from real_data.errors import ConfigError, UserError
+from real_data.federation import Diverged, Federation, FedState
+
+FAULT_ENV = "LINATTN_FAULT_PAUSE_BEFORE_CHECKPOINT"
+"""Test hook: pause forever after round N's metrics are written, before its checkpoint."""
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """Outcome of a run: ``status`` is ``completed`` or ``diverged``."""
+
+    run_dir: Path
+    status: str
+    rounds_completed: int
+    message: str
+    summary: dict
+
+
+def load_data(cfg: Config):
+    """The data set named by the config (``real_data.data.load_dataset``), on the CPU."""
+    from real_data.data import load_dataset
+
+    d = cfg.data
+    opts = {k: v for k, v in (("train_limit", d.train_limit), ("test_limit", d.test_limit),
+                              ("seq_len", d.seq_len)) if v is not None}
+    return load_dataset(cfg.data.name, root=cfg.data.root, **opts)
+
+
+def make_partition_for(cfg: Config, dataset):
+    """The partition of the config, checked against the data set."""
+    n_train = len(dataset.y_train)
+    if cfg.partition.num_clients > n_train:
+        raise ConfigError(f"partition.num_clients={cfg.partition.num_clients} exceeds the "
+                          f"{n_train} training samples of {dataset.name}")
+    from real_data.data import make_partition
+
+    return make_partition(dataset, cfg.partition.scheme, num_clients=cfg.partition.num_clients,
+                          seed=cfg.role_seed("partition"), **cfg.partition.scheme_params())
+
+
+def resolve(cfg: Config, dataset) -> Config:
+    """Fill role seeds and data-dependent model fields, so the written config is complete."""
+    from real_data.models import complete_model_config
+
+    seeds = dataclasses.replace(cfg.seeds, **{r: cfg.role_seed(r) for r in
+                                              ("partition", "sampling", "training")})
+    model = dataclasses.replace(cfg.model, params=complete_model_config(
+        cfg.model.name, cfg.model.params, dataset.input_shape, dataset.num_classes))
+    return dataclasses.replace(cfg, seeds=seeds, model=model)
+
+
+def run_name(cfg: Config, fed: Federation) -> str:
+    """A directory name that spells the key hyper-parameters."""
+    p, t = cfg.partition, cfg.train
+    split = {"dirichlet": f"dir{p.alpha:g}", "classes": f"cls{p.classes_per_client}"}.get(
+        p.scheme, p.scheme)
+    local = f"K{t.local_steps}" if t.local_steps is not None else f"E{t.local_epochs:g}"
+    name = (f"{cfg.name}_{fed.algorithm.tag()}_{split}_N{p.num_clients}_{local}_"
+            f"lr{t.lr:g}_T{t.rounds}_seed{cfg.seed}")
+    return re.sub(r"[^A-Za-z0-9_.+-]", "-", name)
+
+
+def _fresh_dir(base: Path) -> Path:
+    path, i = base, 1
+    while path.exists():
+        i += 1
+        path = base.with_name(f"{base.name}-{i}")
+    return path
+
+
+def start_run(cfg: Config, out: Path | None = None, dataset=None, partition=None,
+              snapshot_rounds: tuple[int, ...] = (), branch: Path | None = None) -> RunResult:
+    """Check everything, create the run directory, and train.
+
+    Parameters
+    ----------
+    cfg : Config
+    out : Path, optional
+        The run directory (must not exist); default ``run.out_dir/<name with settings>``.
+    dataset, partition : optional
+        Already loaded (sweeps load data once); otherwise from the config.
+    snapshot_rounds : tuple of int
+        Rounds whose state is kept as ``checkpoints/round_<t>.pt`` (T0 branching).
+    branch : Path, optional
+        Start from this checkpoint and copy the source run's metrics up to its round.
+    """
+    dataset = load_data(cfg) if dataset is None else dataset
+    partition = make_partition_for(cfg, dataset) if partition is None else partition
+    cfg = resolve(cfg, dataset)
+    fed = Federation(cfg, dataset, partition)
+    _check_output_options(cfg)
+    run_dir = out or _fresh_dir(Path(cfg.run.out_dir) / run_name(cfg, fed))
+    if run_dir.exists():
+        raise UserError(f"run directory {run_dir} already exists; choose another --out")
+    run_dir.mkdir(parents=True)
+    rundir.write_yaml(run_dir / "config.yaml", config_to_dict(cfg))
+    from real_data.data import save_partition
+
+    save_partition(partition, run_dir / "partition.npz")
+    state, elapsed = fed.initial_state(), 0.0
+    if branch is not None:
+        state, extra, _ = load_checkpoint(branch, fed.device)
+        src = branch.parent.parent
+        for name in ("metrics.csv", "timings.csv"):
+            shutil.copy(src / name, run_dir / name)
+            rundir.truncate_rows(run_dir / name, state.round)
+        elapsed = extra.get("elapsed", 0.0)
+    if 0 in snapshot_rounds and state.round == 0:
+        save_checkpoint(run_dir / "checkpoints" / "round_0.pt", state, {"elapsed": 0.0})
+    return _train(fed, state, run_dir, elapsed, snapshot_rounds)
+
+
+def resume_run(run_dir: Path) -> RunResult:
+    """Continue a run from ``checkpoints/last.pt`` (or from the start if there is none)."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").exists():
+        raise UserError(f"{run_dir} is not a run directory (no config.yaml)")
+    import yaml
+
+    cfg = config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    dataset = load_data(cfg)
+    from real_data.data import load_partition
+
+    partition = load_partition(run_dir / "partition.npz")
+    fed = Federation(cfg, dataset, partition)
+    ckpt = run_dir / "checkpoints" / "last.pt"
+    state, elapsed = fed.initial_state(), 0.0
+    if ckpt.exists():
+        state, extra, rng = load_checkpoint(ckpt, fed.device)
+        restore_rng_states(rng)
+        elapsed = extra.get("elapsed", 0.0)
+    for name in ("metrics.csv", "timings.csv"):
+        rundir.truncate_rows(run_dir / name, state.round)
+    (run_dir / ".paused").unlink(missing_ok=True)
+    return _train(fed, state, run_dir, elapsed, ())
+
+
+def _check_output_options(cfg: Config) -> None:
+    if cfg.run.tensorboard:
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except ImportError:
+            raise ConfigError("run.tensorboard=true needs the tensorboard package; install it "
+                              "or set run.tensorboard=false") from None
+
+
+def _train(fed: Federation, state: FedState, run_dir: Path, elapsed: float,
+           snapshot_rounds: tuple[int, ...]) -> RunResult:
+    from tqdm import tqdm
+
+    cfg = fed.cfg
+    total = cfg.train.rounds
+    metrics = rundir.CsvAppender(run_dir / "metrics.csv", rundir.HEADER)
+    timings = rundir.CsvAppender(run_dir / "timings.csv", "round,seconds\n")
+    board = _tensorboard(run_dir) if cfg.run.tensorboard else None
+    pause_at = int(os.environ.get(FAULT_ENV, "0") or 0)
+    status, message = "completed", ""
+    if fed.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(fed.device)
+    bar = tqdm(total=total, initial=state.round, desc=run_dir.name[:40],
+               disable=not cfg.run.progress, leave=False)
+    for rnd in range(state.round + 1, total + 1):
+        # 1. one round; on NaN keep the last good checkpoint and stop
+        t_start = time.perf_counter()
+        try:
+            state, records = fed.run_round(state, rnd)
+        except Diverged as exc:
+            status, message = "diverged", f"{exc}; last good checkpoint: round {state.round}"
+            break
+        if fed.device.type == "cuda":
+            torch.cuda.synchronize(fed.device)
+        seconds = time.perf_counter() - t_start
+        elapsed += seconds
+        # 2. rows first, then the checkpoint (resume drops rows newer than the checkpoint)
+        metrics.append(records)
+        timings.append([(rnd, seconds)])
+        if board is not None:
+            for _, client, key, value in records:
+                if client == "global":
+                    board.add_scalar(key, value, rnd)
+        if rnd == pause_at:
+            (run_dir / ".paused").write_text(str(rnd))
+            while True:
+                time.sleep(1)
+        if rnd % cfg.run.checkpoint_every == 0 or rnd == total:
+            save_checkpoint(run_dir / "checkpoints" / "last.pt", state, {"elapsed": elapsed})
+        if rnd in snapshot_rounds:
+            save_checkpoint(run_dir / "checkpoints" / f"round_{rnd}.pt", state,
+                            {"elapsed": elapsed})
+        bar.update(1)
+        acc = next((v for r, c, k, v in records if c == "global" and k == "test_acc"), None)
+        if acc is not None:
+            bar.set_postfix(test_acc=f"{acc:.3f}")
+    bar.close()
+    if board is not None:
+        board.close()
+    return _finish(fed, state, run_dir, elapsed, status, message)
+
+
+def _finish(fed, state, run_dir, elapsed, status, message) -> RunResult:
+    summary = {"status": status, "message": message, "rounds_completed": state.round,
+               "rounds_planned": fed.cfg.train.rounds, "wall_time_s": elapsed,
+               "seconds_per_round": elapsed / max(state.round, 1),
+               **rundir.summarize(run_dir / "metrics.csv"), **rundir.provenance(fed.device)}
+    if fed.device.type == "cuda":
+        summary["peak_memory_bytes"] = torch.cuda.max_memory_allocated(fed.device)
+    fed_state = state.server_state
+    if isinstance(fed_state, dict) and fed_state.get("constants") is not None:
+        summary["warmup"] = {"warmup_rounds": fed_state.get("warmup_rounds"),
+                             "constants": fed_state["constants"]}
+    rundir.write_json(run_dir / "summary.json", summary)
+    if fed.cfg.run.plot and state.round > 0:
+        rundir.plot_curves(run_dir / "metrics.csv", run_dir / "curves.png", run_dir.name)
+    return RunResult(run_dir, status, state.round, message, summary)
+
+
+def _tensorboard(run_dir: Path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(str(run_dir / "tensorboard"))

@@ -1,0 +1,158 @@
+"""Shared fixtures: tiny data and partitions built here, independent of ``real_data.data``.
+
+``install_stub_data`` gives ``real_data.data`` a minimal ``load_dataset``/``make_partition``
+(digits only) when the real data layer is absent, so that CLI tests run either way; with the
+real data layer present it does nothing and the tests exercise the real loaders.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+if str(REPO) not in sys.path:  # the checkout is not installed into the venv
+    sys.path.insert(0, str(REPO))
+
+from real_data.data.base import Partition, TensorDataset  # noqa: E402
+
+# Tiny models: one thread is faster and, on a shared 2-core machine, far steadier; the CLI
+# subprocesses get the same through OMP_NUM_THREADS so in- and out-of-process runs match.
+torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def digits_dataset(n_train: int = 1500, dtype=torch.float32) -> TensorDataset:
+    """sklearn digits as ``(N, 1, 8, 8)`` in [0, 1], a fixed train/test split."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.tensor(d.images / 16.0, dtype=dtype).unsqueeze(1)
+    y = torch.tensor(d.target, dtype=torch.int64)
+    order = np.random.default_rng(0).permutation(len(y))
+    tr, te = order[:n_train], order[n_train:]
+    return TensorDataset("digits", "image", x[tr], y[tr], x[te], y[te], 10)
+
+
+def random_partition(dataset: TensorDataset, num_clients: int, seed: int,
+                     alpha: float | None = None, min_size: int = 10) -> Partition:
+    """IID (``alpha=None``) or Dirichlet(alpha) label split; local tests share the label mix."""
+    rng = np.random.default_rng(seed)
+    y = dataset.y_train.numpy()
+    n = len(y)
+    if alpha is None:
+        parts = np.array_split(rng.permutation(n), num_clients)
+    else:
+        for _ in range(100):
+            parts = [[] for _ in range(num_clients)]
+            for c in range(dataset.num_classes):
+                ix = rng.permutation(np.flatnonzero(y == c))
+                cuts = (np.cumsum(rng.dirichlet([alpha] * num_clients)) * len(ix)).astype(int)
+                for m, chunk in enumerate(np.split(ix, cuts[:-1])):
+                    parts[m].extend(chunk.tolist())
+            if min(len(p) for p in parts) >= min_size:
+                break
+        parts = [np.sort(np.array(p, dtype=np.int64)) for p in parts]
+    yt = dataset.y_test.numpy()
+    tests = tuple(np.flatnonzero(np.isin(yt, np.unique(y[p]))) for p in parts)
+    return Partition(tuple(np.asarray(p, dtype=np.int64) for p in parts), tests,
+                     "iid" if alpha is None else "dirichlet",
+                     {} if alpha is None else {"alpha": alpha}, seed)
+
+
+def _stub_load_dataset(name, root=None, **opts):
+    from real_data.errors import DataError
+
+    if name != "digits":
+        raise DataError(f"stub data layer: only digits is available, not {name!r}")
+    return digits_dataset()
+
+
+def _stub_make_partition(dataset, scheme, num_clients, seed, **params):
+    alpha = params.get("alpha") if scheme == "dirichlet" else None
+    return random_partition(dataset, num_clients, seed, alpha, params.get("min_size", 1))
+
+
+def install_stub_data() -> None:
+    """Give ``real_data.data`` digits-only loaders if the real data layer is missing."""
+    import real_data.data as data
+
+    if not has_real_data_layer():
+        data.load_dataset, data.make_partition = _stub_load_dataset, _stub_make_partition
+
+
+def has_real_data_layer() -> bool:
+    try:
+        from real_data.data import load_dataset, make_partition  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+CLI_BOOT = (
+    "import sys; sys.path.insert(0, {here!r}); import conftest; conftest.install_stub_data(); "
+    "from linattn.cli import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
+def cli_command(*args: str) -> list[str]:
+    """``python -c <boot> args...``: the ``linattn`` CLI with the stub data if needed."""
+    return [sys.executable, "-c", CLI_BOOT.format(here=str(HERE)), *args]
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 120):
+    return subprocess.run(cli_command(*args), cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture
+def stub_data(monkeypatch):
+    """Digits loaders on ``real_data.data`` (for in-process runs) if the real layer is missing."""
+    import real_data.data as data
+
+    if not has_real_data_layer():
+        monkeypatch.setattr(data, "load_dataset", _stub_load_dataset, raising=False)
+        monkeypatch.setattr(data, "make_partition", _stub_make_partition, raising=False)
+
+
+@pytest.fixture(scope="session")
+def digits() -> TensorDataset:
+    return digits_dataset()
+
+
+@pytest.fixture(scope="session")
+def digits64() -> TensorDataset:
+    return digits_dataset(dtype=torch.float64)
+
+
+TINY = ["model.dim=8", "model.mlp_dim=16", "model.depth=1", "model.heads=2",
+        "train.batch_size=8", "train.local_steps=3", "run.progress=false", "run.plot=false"]
+
+
+def tiny_config(*overrides: str):
+    """The shipped digits_vit config, shrunk further, with extra overrides."""
+    from real_data.config import load_config
+
+    return load_config("digits_vit", [*TINY, *overrides])
+
+
+def federation(cfg, dataset, partition):
+    from real_data.federation import Federation
+
+    return Federation(cfg, dataset, partition)
+
+
+def train_rounds(fed, rounds: int):
+    """Run ``rounds`` rounds from the initial state; returns (state, all records)."""
+    state, records = fed.initial_state(), []
+    for rnd in range(1, rounds + 1):
+        state, rec = fed.run_round(state, rnd)
+        records += rec
+    return state, records

@@ -1,0 +1,75 @@
+"""Real data end to end: FedAvg and FedFrozen learn; ``warmup=auto`` asks the theory for T0."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import REPO, has_real_data_layer
+
+from real_data.config import load_config
+from real_data.errors import DataError
+from real_data.runs import start_run
+
+CHANCE = 0.1
+
+
+@pytest.mark.parametrize("algorithm", [
+    ["algorithm.name=fedavg"],
+    ["algorithm.name=fedfrozen", "algorithm.warmup_rounds=5"],
+])
+def test_digits_beats_chance(tmp_path, stub_data, algorithm):
+    cfg = load_config("digits_vit", ["run.progress=false", "run.plot=false", *algorithm])
+    res = start_run(cfg, out=tmp_path / "run")
+    assert res.status == "completed"
+    acc = res.summary["final"]["test_acc"]
+    assert acc > 3 * CHANCE, acc
+
+
+def test_fmnist_slice_beats_chance(tmp_path):
+    if not has_real_data_layer():
+        pytest.skip("real_data.data (the data layer) is not there yet")
+    from real_data.data import load_dataset
+
+    try:
+        load_dataset("fmnist", train_limit=6000, test_limit=1000)
+    except DataError as exc:
+        pytest.skip(f"Fashion-MNIST not available ({exc}); run `linattn data fetch fmnist`")
+    for algorithm in (["algorithm.name=fedavg"],
+                      ["algorithm.name=fedfrozen", "algorithm.warmup_rounds=5"]):
+        cfg = load_config("fmnist_vit", [
+            "data.train_limit=6000", "data.test_limit=1000", "partition.num_clients=10",
+            "partition.alpha=1.0", "model.dim=32", "model.depth=2", "model.heads=2",
+            "model.mlp_dim=64", "model.patch=7", "train.rounds=15", "train.local_steps=5",
+            "train.optimizer=adam", "train.lr=0.003", "train.momentum=0.0",
+            "train.precision=fp32", "train.device=cpu", "run.progress=false", "run.plot=false",
+            *algorithm])
+        res = start_run(cfg, out=tmp_path / algorithm[0].split("=")[1])
+        assert res.summary["final"]["test_acc"] > 0.5, res.summary["final"]
+
+
+def test_warmup_auto_uses_theory_recommendation(tmp_path, stub_data):
+    try:
+        import linattn_theory.warmup  # noqa: F401
+    except ImportError:
+        pytest.skip("linattn_theory.warmup (recommend_warmup) is not there yet")
+    cfg = load_config("digits_vit", [
+        "run.progress=false", "run.plot=false", "train.rounds=8", "algorithm.warmup=auto",
+        "algorithm.warmup_rounds=null", "algorithm.probe_rounds=3", "train.optimizer=sgd",
+        "train.lr=0.1", "partition.alpha=0.3", "model.depth=1"])
+    res = start_run(cfg, out=tmp_path / "auto")
+    warm = json.loads((res.run_dir / "summary.json").read_text())["warmup"]
+    t0 = warm["warmup_rounds"]
+    assert 3 <= t0 <= 8
+    c = warm["constants"]
+    for key in ("delta0", "pl_constant", "smoothness", "heterogeneity", "grad_bound"):
+        assert c[key] > 0, (key, c)
+    rows = (res.run_dir / "metrics.csv").read_text().splitlines()
+    assert any(",global,warmup_rounds_recommended," in r for r in rows)
+    if t0 < 8:  # after T0 the Q/K block stops moving
+        qk = [float(r.split(",")[3]) for r in rows if ",global,qk_change," in r]
+        assert all(v == 0.0 for v in qk[t0:]) and qk[0] > 0
+
+
+def test_repo_has_shipped_configs():
+    assert (REPO / "real_data" / "configs" / "fmnist_vit.yaml").is_file()

@@ -1,0 +1,148 @@
+"""Run directories: bad configs write nothing, SIGKILL + resume, NaN handling, T0 branching."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, TINY, cli_command, run_cli, tiny_config
+
+from linattn.cli import main as linattn_main
+from real_data import engines
+from real_data.runs import FAULT_ENV, start_run
+from real_data.sweep import run_sweep
+
+
+def _rounds(metrics_csv: Path) -> set[int]:
+    return {int(ln.split(",")[0]) for ln in metrics_csv.read_text().splitlines()[1:]}
+
+
+SMALL = [*TINY, "train.rounds=5", "partition.num_clients=4", "algorithm.warmup_rounds=2"]
+
+
+@pytest.mark.parametrize("override, text", [
+    ("train.lrr=0.1", "train.lrr"),
+    ("partition.alpha=0", "partition.alpha"),
+    ("algorithm.warmup_rounds=50", "algorithm.warmup_rounds=50 exceeds train.rounds=5"),
+    ("partition.num_clients=5000", "partition.num_clients=5000 exceeds"),
+    ("train.rounds=ten", "train.rounds"),
+])
+def test_bad_config_exits_2_and_writes_nothing(tmp_path, capsys, stub_data, override, text):
+    out = tmp_path / "runs"
+    code = linattn_main(["run", "--config", "digits_vit", *SMALL, f"run.out_dir={out}",
+                         override])
+    assert code == 2
+    assert text in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_bad_config_exit_code_through_the_command(tmp_path):
+    res = run_cli("run", "--config", "digits_vit", f"run.out_dir={tmp_path / 'r'}",
+                  "partition.alpha=-1")
+    assert res.returncode == 2, res.stderr
+    assert "error: partition.alpha=-1.0 must be > 0" in res.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_killed_run_resumes_to_identical_metrics(tmp_path, stub_data):
+    args = ["run", "--config", "digits_vit", *SMALL, "train.rounds=6"]
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(cli_command(*args, "--out", str(killed)), cwd=REPO,
+                            env={**os.environ, FAULT_ENV: "4"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 150
+        while not (killed / ".paused").exists():
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.time() < deadline, "the run never reached round 4"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)  # round 4 rows written, its checkpoint not yet
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    assert torch.load(killed / "checkpoints" / "last.pt", weights_only=False)["round"] == 3
+    assert _rounds(killed / "metrics.csv") == {1, 2, 3, 4}  # round 4 is newer than last.pt
+    assert linattn_main(["run", "--resume", str(killed)]) == 0
+    whole = tmp_path / "whole"
+    assert linattn_main([*args, "--out", str(whole)]) == 0
+    assert (killed / "metrics.csv").read_bytes() == (whole / "metrics.csv").read_bytes()
+    assert json.loads((killed / "summary.json").read_text())["rounds_completed"] == 6
+
+
+def test_nan_stops_run_and_keeps_last_good_checkpoint(tmp_path, stub_data, monkeypatch,
+                                                      capsys):
+    real = engines.ENGINES["vectorized"]
+    calls = []
+
+    def poisoned(job):  # round 3 returns a NaN loss for its second client
+        res = real(job)
+        calls.append(1)
+        if len(calls) == 3:
+            res.objective[1] = float("nan")
+        return res
+
+    monkeypatch.setitem(engines.ENGINES, "vectorized", poisoned)
+    out = tmp_path / "nan"
+    code = linattn_main(["run", "--config", "digits_vit", *SMALL, "--out", str(out)])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "non-finite loss or parameters in round 3" in err and "round 2" in err
+    ckpt = torch.load(out / "checkpoints" / "last.pt", weights_only=False)
+    assert ckpt["round"] == 2
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "diverged" and summary["rounds_completed"] == 2
+    assert _rounds(out / "metrics.csv") == {1, 2}
+
+
+def test_t0_sweep_branches_equal_direct_runs(tmp_path, stub_data):
+    cfg = tiny_config("train.rounds=4", "partition.num_clients=3", "algorithm.warmup_rounds=1")
+    results = run_sweep(cfg, tmp_path / "sweep", algorithms=["fedfrozen"],
+                        warmup_rounds=[1, 3])
+    assert len(results) == 2 and all(r.status == "completed" for r in results)
+    branch = next(r for r in results if "T01_" in r.run_dir.name)
+    direct = start_run(tiny_config("train.rounds=4", "partition.num_clients=3",
+                                   "algorithm.warmup_rounds=1"), out=tmp_path / "direct")
+    assert (branch.run_dir / "metrics.csv").read_bytes() == \
+        (direct.run_dir / "metrics.csv").read_bytes()
+    assert (tmp_path / "sweep" / "sweep.csv").read_text().count("\n") == 3
+
+
+def test_run_directory_contents(tmp_path, stub_data):
+    res = start_run(tiny_config("train.rounds=2", "partition.num_clients=3", "run.plot=true",
+                                "algorithm.warmup_rounds=1"), out=tmp_path / "r")
+    names = {p.name for p in res.run_dir.iterdir()}
+    assert {"config.yaml", "partition.npz", "metrics.csv", "timings.csv", "summary.json",
+            "curves.png", "checkpoints"} <= names
+    summary = json.loads((res.run_dir / "summary.json").read_text())
+    for key in ("final", "best", "wall_time_s", "code_version", "libraries", "device"):
+        assert key in summary
+    header = (res.run_dir / "metrics.csv").read_text().splitlines()[0]
+    assert header == "round,client,metric,value"
+    assert (Path(res.run_dir) / "checkpoints" / "last.pt").exists()
+
+
+def test_cli_routes_data_and_rejects_study(capsys, monkeypatch):
+    from real_data import cli, data_cli
+
+    seen = []
+    monkeypatch.setattr(data_cli, "main", lambda argv: seen.append(argv) or 0)
+    assert cli.main(["data", "list"]) == 0 and seen == [["data", "list"]]
+    assert linattn_main(["study"]) == 2
+    assert "not implemented" in capsys.readouterr().err
+
+
+def test_sweep_command_writes_an_index(tmp_path, stub_data, capsys):
+    code = linattn_main(["sweep", "--config", "digits_vit", "--out", str(tmp_path / "s"),
+                         "--algorithms", "fedavg,fedprox", "--seeds", "0,1", *TINY,
+                         "partition.num_clients=4", "train.rounds=2"])
+    assert code == 0
+    rows = (tmp_path / "s" / "sweep.csv").read_text().splitlines()
+    assert len(rows) == 5 and rows[1].split(",")[1:3] == ["fedavg", "0"]
