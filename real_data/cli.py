@@ -1,4 +1,4 @@
-"""``linattn run | sweep | bench | study | data``: the real-data commands.
+"""``linattn run | sweep | bench | study | data | pretrain``: the real-data commands.
 
 ``linattn.cli`` routes here with ``argv[0]`` the subcommand. Bad input raises
 :class:`~real_data.errors.UserError` (exit 2 through the router); a diverged run exits 1.
@@ -28,21 +28,33 @@ def _run(argv: list[str]) -> int:
     ap.add_argument("--config", help="YAML file or shipped config name (e.g. digits_vit)")
     ap.add_argument("--out", type=Path, help="run directory (default: run.out_dir/<name>)")
     ap.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a killed run")
+    ap.add_argument("--distributed", action="store_true",
+                    help="under torchrun: shard each round's clients over the processes")
     ap.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
     args = ap.parse_args(argv)
     from real_data.errors import UserError
     from real_data.runs import resume_run, start_run
 
+    cfg = None
     if args.resume is not None:
         if args.config or args.overrides or args.out:
             raise UserError("--resume takes only the run directory (its config.yaml is used)")
-        result = resume_run(args.resume)
     else:
         if not args.config:
             raise UserError("linattn run needs --config (or --resume RUN_DIR)")
         from real_data.config import load_config
 
-        result = start_run(load_config(args.config, args.overrides), out=args.out)
+        cfg = load_config(args.config, args.overrides)
+    if args.distributed:
+        from real_data.distributed import run_distributed
+
+        result = run_distributed(cfg, out=args.out, resume=args.resume)
+        if result is None:  # not rank 0: rank 0 writes and reports
+            return 0
+    elif args.resume is not None:
+        result = resume_run(args.resume)
+    else:
+        result = start_run(cfg, out=args.out)
     return _report(result)
 
 
@@ -79,27 +91,72 @@ def _sweep(argv: list[str]) -> int:
 
 
 def _bench(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="linattn bench",
-                                 description="Seconds per round of each engine on a config.")
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--rounds", type=int, default=3, help="timed rounds after one warm-up")
-    ap.add_argument("--engines", type=_names, default=["vectorized", "sequential"])
-    ap.add_argument("overrides", nargs="*", metavar="key=value")
-    args = ap.parse_args(argv)
-    from real_data.bench import bench_engines
-    from real_data.config import load_config
+    from real_data.bench import main as bench_main
 
-    for row in bench_engines(load_config(args.config, args.overrides), args.engines,
-                             args.rounds):
-        print(f"{row['engine']:11s} {row['seconds_per_round']:.4f} s/round  "
-              f"(+- {row['std']:.4f}, {row['device']})")
+    return bench_main(argv)
+
+
+def _pretrain(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(
+        prog="linattn pretrain",
+        description="Train a run config's model centrally on a source data set (FedSQ's S).")
+    ap.add_argument("--config", required=True, help="run config whose model is pretrained")
+    ap.add_argument("--source", required=True, help="source data set (e.g. mnist)")
+    ap.add_argument("--out", type=Path, required=True, help="file to write (.pt)")
+    ap.add_argument("--source-skip", type=int, default=0,
+                    help="drop the first N source training samples (disjoint split)")
+    ap.add_argument("--source-limit", type=int, default=None, help="then keep at most N")
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=1e-3, help="Adam step size")
+    ap.add_argument("--weight-decay", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("overrides", nargs="*", metavar="key=value",
+                    help="dotted overrides of the run config (model.*, train.device, ...)")
+    args = ap.parse_args(argv)
+    from real_data.config import load_config
+    from real_data.errors import UserError
+    from real_data.pretrain import PretrainSettings, run_pretrain
+
+    if args.out.exists():
+        raise UserError(f"{args.out} already exists; choose another --out")
+    settings = PretrainSettings(args.source, args.source_skip, args.source_limit, args.epochs,
+                                args.batch_size, args.lr, args.weight_decay, args.seed)
+    meta = run_pretrain(load_config(args.config, args.overrides), settings, args.out)
+    print(f"{args.out}: {meta['source']} ({meta['samples']} samples, {args.epochs} epochs), "
+          f"source test_acc {meta['source_test_acc']:.4f}")
     return 0
 
 
 def _study(argv: list[str]) -> int:
-    from real_data.errors import UserError
+    import argparse
+    from pathlib import Path
 
-    raise UserError("linattn study is not implemented yet; use linattn sweep")
+    from real_data import study
+
+    ap = argparse.ArgumentParser(prog="linattn study", description=study.__doc__.splitlines()[0])
+    ap.add_argument("--plan", required=True, help="plan YAML, or the name of a shipped plan")
+    ap.add_argument("--out", type=Path, help="override the plan's out_dir")
+    ap.add_argument("--slice", help="glob over <sweep>/<arm>/alpha=<a>/seed=<s> (quote it)")
+    ap.add_argument("--max-runs", type=int, help="start or resume at most this many run groups")
+    ap.add_argument("--budget", type=float, help="start no new run after this many seconds")
+    ap.add_argument("--aggregate-only", action="store_true", help="only write the tables")
+    ap.add_argument("--export", type=Path, help="also copy the tables here (e.g. docs/study)")
+    ap.add_argument("--list", action="store_true", help="list the plan's runs and their status")
+    args = ap.parse_args(argv)
+    plan = study.load_plan(args.plan, args.out)
+    if args.list:
+        for spec in study.plan_runs(plan):
+            print(f"{study._status(spec.run_dir):>9}  {spec.key}")
+        return 0
+    if not args.aggregate_only:
+        counts = study.run_study(plan, args.slice, args.max_runs, args.budget)
+        print("study:", ", ".join(f"{k} {v}" for k, v in counts.items()))
+    rows = study.aggregate(plan)
+    for folder in [plan.out_dir / "tables", *([args.export] if args.export else [])]:
+        paths = study.write_tables(rows, folder)
+        print(f"wrote {', '.join(str(p) for p in paths)}")
+    return 0
 
 
 def _data(argv: list[str]) -> int:
@@ -108,7 +165,8 @@ def _data(argv: list[str]) -> int:
     return int(data_cli.main(argv) or 0)
 
 
-COMMANDS = {"run": _run, "sweep": _sweep, "bench": _bench, "study": _study, "data": _data}
+COMMANDS = {"run": _run, "sweep": _sweep, "bench": _bench, "study": _study, "data": _data,
+            "pretrain": _pretrain}
 
 
 def main(argv: list[str] | None = None) -> int:

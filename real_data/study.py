@@ -1,0 +1,412 @@
+"""The real-data validation study: a plan of sweeps, run resumably in slices, then aggregated.
+
+A plan (YAML, ``real_data/studies/<name>.yaml``)::
+
+    name: main
+    out_dir: runs/study-main          # every run directory lives under here
+    seeds: [0, 1, 2]
+    sweeps:
+      - name: fmnist_softmax
+        config: fmnist_vit           # a shipped config name or a YAML path
+        overrides: [train.rounds=200, model.attention=softmax]
+        alphas: [0.1, 0.3, 1.0]      # partition.alpha values (omit for natural splits)
+        arms:
+          - {name: fedavg, overrides: [algorithm.name=fedavg]}
+          - {name: fedfrozen_v, overrides: [algorithm.name=fedfrozen, algorithm.train=v],
+             warmup_rounds: [0, 10, 20, 40, 80, 120, 200]}
+          - {name: reference, overrides: [partition.scheme=iid, partition.num_clients=1],
+             reference: true}
+
+Each run has a fixed directory ``out_dir/<sweep>/<arm>[-T0=<t>]/alpha=<a>/seed=<s>``, so the
+study knows what exists: a completed run is skipped, an interrupted one resumed from its last
+checkpoint, a missing one started. An arm with ``warmup_rounds`` trains the warm-up once (the
+largest T0, keeping a snapshot at every T0) and branches every other T0 from its snapshot. A
+``reference`` arm (a drift-free run, e.g. one client holding the pooled data) keeps snapshots at
+every T0 of its sweep, so the Q/K kernel deviation of FedFrozen's warm-up from it can be
+measured. ``--slice`` selects runs by a glob over ``<sweep>/<arm>/alpha=<a>/seed=<s>`` so a large
+plan splits into GPU calls of under 10 minutes each; ``--budget`` stops starting new runs after
+that many seconds.
+
+Aggregation reads every run's ``metrics.csv`` and ``summary.json`` and writes, per sweep, arm,
+T0 and alpha: mean +- std over seeds (with the number of seeds) of final and best accuracy,
+rounds-to-best, the accuracy variance over the last rounds, personalized accuracy, the
+gradient-norm jump after aggregation, Q/K kernel deviation from the reference, bytes sent and
+training FLOPs.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import fnmatch
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from real_data.errors import ConfigError
+
+LAST_ROUNDS = 10  # window for the accuracy variance over the last rounds
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One algorithm setting of a sweep; ``warmup_rounds`` makes it a T0 sweep (FedFrozen)."""
+
+    name: str
+    overrides: tuple[str, ...] = ()
+    warmup_rounds: tuple[int, ...] = ()
+    reference: bool = False
+
+
+@dataclass(frozen=True)
+class Sweep:
+    name: str
+    config: str
+    overrides: tuple[str, ...]
+    alphas: tuple[float | None, ...]
+    arms: tuple[Arm, ...]
+    seeds: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    out_dir: Path
+    sweeps: tuple[Sweep, ...]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run of the plan (T0 sweeps: one spec per T0, the largest first)."""
+
+    key: str
+    sweep: Sweep
+    arm: Arm
+    alpha: float | None
+    seed: int
+    warmup_rounds: int | None
+    run_dir: Path
+
+
+def _require(cond: bool, where: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(f"{where}: {message}")
+
+
+def _strings(value, where: str) -> tuple[str, ...]:
+    _require(isinstance(value, list) and all(isinstance(v, str) for v in value), where,
+             "must be a list of key=value strings")
+    return tuple(value)
+
+
+def load_plan(path: Path | str, out_dir: Path | str | None = None) -> Plan:
+    """Read and check a plan file; every error names the key and the allowed values."""
+    path = Path(path)
+    if not path.is_file():
+        shipped = Path(__file__).parent / "studies" / f"{path}.yaml"
+        _require(shipped.is_file(), "--plan", f"{path} not found (nor {shipped})")
+        path = shipped
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({exc})") from None
+    _require(isinstance(raw, dict), str(path), "must be a mapping")
+    unknown = set(raw) - {"name", "out_dir", "seeds", "sweeps"}
+    _require(not unknown, str(path), f"unknown keys {sorted(unknown)}; allowed: name, out_dir, "
+             "seeds, sweeps")
+    seeds = raw.get("seeds", [0])
+    _require(isinstance(seeds, list) and seeds and all(isinstance(s, int) for s in seeds),
+             "seeds", "must be a non-empty list of integers")
+    sweeps = []
+    _require(isinstance(raw.get("sweeps"), list) and raw["sweeps"], "sweeps",
+             "must be a non-empty list")
+    for i, sw in enumerate(raw["sweeps"]):
+        where = f"sweeps[{i}]"
+        _require(isinstance(sw, dict), where, "must be a mapping")
+        bad = set(sw) - {"name", "config", "overrides", "alphas", "arms", "seeds"}
+        _require(not bad, where, f"unknown keys {sorted(bad)}; allowed: name, config, "
+                 "overrides, alphas, arms, seeds")
+        for key in ("name", "config", "arms"):
+            _require(key in sw, where, f"missing {key!r}")
+        alphas = sw.get("alphas", [None])
+        _require(isinstance(alphas, list) and all(a is None or (isinstance(a, int | float)
+                                                               and a > 0) for a in alphas),
+                 f"{where}.alphas", "must be a list of positive numbers")
+        arms = []
+        for j, arm in enumerate(sw["arms"]):
+            aw = f"{where}.arms[{j}]"
+            _require(isinstance(arm, dict) and "name" in arm, aw, "must be a mapping with a name")
+            bad = set(arm) - {"name", "overrides", "warmup_rounds", "reference"}
+            _require(not bad, aw, f"unknown keys {sorted(bad)}; allowed: name, overrides, "
+                     "warmup_rounds, reference")
+            t0s = arm.get("warmup_rounds", [])
+            _require(isinstance(t0s, list) and all(isinstance(t, int) and t >= 0 for t in t0s),
+                     f"{aw}.warmup_rounds", "must be a list of integers >= 0")
+            arms.append(Arm(arm["name"], _strings(arm.get("overrides", []), f"{aw}.overrides"),
+                            tuple(sorted(set(t0s), reverse=True)), bool(arm.get("reference"))))
+        names = [a.name for a in arms]
+        _require(len(set(names)) == len(names), f"{where}.arms", "arm names must be unique")
+        sweeps.append(Sweep(sw["name"], str(sw["config"]),
+                            _strings(sw.get("overrides", []), f"{where}.overrides"),
+                            tuple(alphas), tuple(arms), tuple(sw.get("seeds", seeds))))
+    out = Path(out_dir or raw.get("out_dir", f"runs/study-{raw.get('name', path.stem)}"))
+    return Plan(str(raw.get("name", path.stem)), out, tuple(sweeps))
+
+
+def _key(sweep: str, arm: str, t0, alpha, seed) -> str:
+    arm_part = arm if t0 is None else f"{arm}-T0={t0}"
+    alpha_part = "natural" if alpha is None else f"alpha={alpha:g}"
+    return f"{sweep}/{arm_part}/{alpha_part}/seed={seed}"
+
+
+def plan_runs(plan: Plan) -> list[RunSpec]:
+    specs = []
+    for sw in plan.sweeps:
+        for arm in sw.arms:
+            for alpha in sw.alphas:
+                for seed in sw.seeds:
+                    for t0 in arm.warmup_rounds or (None,):
+                        key = _key(sw.name, arm.name, t0, alpha, seed)
+                        specs.append(RunSpec(key, sw, arm, alpha, seed, t0, plan.out_dir / key))
+    return specs
+
+
+def _config(spec: RunSpec, t0: int | None):
+    from real_data.config import load_config
+
+    extra = [f"seed={spec.seed}", "run.progress=false"]
+    if spec.alpha is not None:
+        extra.append(f"partition.alpha={spec.alpha}")
+    if t0 is not None:
+        extra += [f"algorithm.warmup_rounds={t0}", "algorithm.warmup=fixed"]
+    return load_config(spec.sweep.config, [*spec.sweep.overrides, *spec.arm.overrides, *extra])
+
+
+def _status(run_dir: Path) -> str:
+    summary = run_dir / "summary.json"
+    if summary.is_file():
+        return json.loads(summary.read_text()).get("status", "unknown")
+    return "partial" if run_dir.exists() else "missing"
+
+
+def run_study(plan: Plan, pattern: str | None = None, max_runs: int | None = None,
+              budget_s: float | None = None, log=print) -> dict:
+    """Run what is missing, resume what was interrupted; returns counts by outcome."""
+    from real_data.runs import resume_run, start_run
+
+    specs = [s for s in plan_runs(plan) if pattern is None or fnmatch.fnmatch(s.key, pattern)]
+    # check every config before anything runs, so a bad plan writes nothing
+    for s in specs:
+        _config(s, s.warmup_rounds)
+    groups: dict[tuple, list[RunSpec]] = {}
+    for s in specs:
+        groups.setdefault((s.sweep.name, s.arm.name, s.alpha, s.seed), []).append(s)
+    counts = {"skipped": 0, "resumed": 0, "started": 0, "branched": 0, "left": 0}
+    start, done = time.perf_counter(), 0
+    for (_, _, _, _), members in groups.items():
+        if (max_runs is not None and done >= max_runs) or (
+                budget_s is not None and time.perf_counter() - start > budget_s):
+            counts["left"] += sum(_status(m.run_dir) != "completed" for m in members)
+            continue
+        head = members[0]
+        t0s = head.arm.warmup_rounds
+        if head.arm.reference:
+            t0s = tuple(sorted({t for a in head.sweep.arms for t in a.warmup_rounds}))
+        snapshots = tuple(t for t in t0s if t is not None)
+        status = _status(head.run_dir)
+        if status == "completed":
+            counts["skipped"] += 1
+        elif status == "partial" and (head.run_dir / "checkpoints" / "last.pt").is_file():
+            log(f"resume {head.key}")
+            resume_run(head.run_dir)
+            counts["resumed"] += 1
+        else:
+            if status == "partial":  # created but killed before its first checkpoint
+                import shutil
+
+                shutil.rmtree(head.run_dir)
+            log(f"start  {head.key}")
+            head.run_dir.parent.mkdir(parents=True, exist_ok=True)
+            start_run(_config(head, head.warmup_rounds), out=head.run_dir,
+                      snapshot_rounds=snapshots)
+            counts["started"] += 1
+        done += 1
+        for m in members[1:]:  # the other T0 branch from the largest one's snapshots
+            if _status(m.run_dir) == "completed":
+                counts["skipped"] += 1
+                continue
+            if m.run_dir.exists():
+                import shutil
+
+                shutil.rmtree(m.run_dir)  # a branch is cheap to redo from its snapshot
+            snap = head.run_dir / "checkpoints" / f"round_{m.warmup_rounds}.pt"
+            log(f"branch {m.key}")
+            m.run_dir.parent.mkdir(parents=True, exist_ok=True)
+            start_run(_config(m, m.warmup_rounds), out=m.run_dir, branch=snap)
+            counts["branched"] += 1
+    return counts
+
+
+# ----------------------------------------------------------------------------- aggregation
+
+
+def _read_metrics(run_dir: Path) -> dict[str, np.ndarray]:
+    """Global metrics as arrays indexed by round (1..R)."""
+    series: dict[str, dict[int, float]] = {}
+    with open(run_dir / "metrics.csv", newline="") as fh:
+        for row in csv.DictReader(fh):
+            if row["client"] != "global":
+                continue
+            series.setdefault(row["metric"], {})[int(row["round"])] = float(row["value"])
+    out = {}
+    for name, values in series.items():
+        rounds = sorted(values)
+        out[name] = np.array([values[r] for r in rounds])
+        out[name + "@rounds"] = np.array(rounds)
+    return out
+
+
+def kernel_deviation(snapshot_a: Path, snapshot_b: Path, heads: int) -> float:
+    """sqrt(sum over layers and heads of ||M_h - M'_h||_F^2), M_h = W_q[h]^T W_k[h].
+
+    The kernel between tokens a and b in head h is a^T W_q[h]^T W_k[h] b (rows of the q and k
+    projections split by head), so M_h is the attention kernel of THEORY.md per head.
+    """
+    import torch
+
+    pa = torch.load(snapshot_a, map_location="cpu", weights_only=False)["global_params"]
+    pb = torch.load(snapshot_b, map_location="cpu", weights_only=False)["global_params"]
+    total = 0.0
+    for name in sorted(pa):
+        if not name.endswith("attn.q.weight"):
+            continue
+        kname = name[: -len("q.weight")] + "k.weight"
+        for params in ((pa, pb),):
+            qa, ka = params[0][name].double(), params[0][kname].double()
+            qb, kb = params[1][name].double(), params[1][kname].double()
+            for h in range(heads):
+                rows = slice(h * qa.shape[0] // heads, (h + 1) * qa.shape[0] // heads)
+                diff = qa[rows].T @ ka[rows] - qb[rows].T @ kb[rows]
+                total += float((diff**2).sum())
+    return float(np.sqrt(total))
+
+
+def _run_row(spec: RunSpec) -> dict | None:
+    if _status(spec.run_dir) != "completed":
+        return None
+    summary = json.loads((spec.run_dir / "summary.json").read_text())
+    m = _read_metrics(spec.run_dir)
+    acc = m.get("test_acc", np.array([np.nan]))
+    best_i = int(np.nanargmax(acc))
+    row = {
+        "final_acc": float(acc[-1]),
+        "best_acc": float(acc[best_i]),
+        "rounds_to_best": int(m["test_acc@rounds"][best_i]) if "test_acc@rounds" in m else 0,
+        "last_acc_var": float(np.var(acc[-LAST_ROUNDS:])),
+        "personal_acc": float(m["local_acc_micro"][-1]) if "local_acc_micro" in m else np.nan,
+        "grad_norm_jump": float(np.nanmean(m["grad_norm_jump"])) if "grad_norm_jump" in m
+        else np.nan,
+        "bytes_up": float(np.sum(m.get("bytes_up", [np.nan]))),
+        "bytes_down": float(np.sum(m.get("bytes_down", [np.nan]))),
+        "train_flops": float(np.sum(m.get("train_flops", [np.nan]))),
+        "seconds_per_round": float(summary.get("seconds_per_round", np.nan)),
+        "device": summary.get("device", {}).get("name", ""),
+    }
+    return row
+
+
+def aggregate(plan: Plan) -> list[dict]:
+    """One row per (sweep, arm, T0, alpha): mean, std and n over seeds of every run metric."""
+    cells: dict[tuple, list[tuple[RunSpec, dict]]] = {}
+    for spec in plan_runs(plan):
+        row = _run_row(spec)
+        if row is not None:
+            cells.setdefault((spec.sweep.name, spec.arm.name, spec.warmup_rounds, spec.alpha),
+                             []).append((spec, row))
+    out = []
+    for (sweep, arm, t0, alpha), items in cells.items():
+        rec = {"sweep": sweep, "arm": arm, "warmup_rounds": t0, "alpha": alpha,
+               "n_seeds": len(items), "device": items[0][1]["device"]}
+        for metric in ("final_acc", "best_acc", "rounds_to_best", "last_acc_var",
+                       "personal_acc", "grad_norm_jump", "bytes_up", "bytes_down",
+                       "train_flops", "seconds_per_round"):
+            values = np.array([r[metric] for _, r in items], dtype=np.float64)
+            rec[f"{metric}_mean"] = float(np.nanmean(values)) if np.any(np.isfinite(values)) \
+                else None
+            rec[f"{metric}_std"] = float(np.nanstd(values)) if np.any(np.isfinite(values)) \
+                else None
+        dev = _kernel_deviations(plan, sweep, arm, t0, alpha, [s for s, _ in items])
+        rec["kernel_deviation_mean"] = float(np.mean(dev)) if dev else None
+        rec["kernel_deviation_std"] = float(np.std(dev)) if dev else None
+        out.append(rec)
+    return out
+
+
+def _kernel_deviations(plan, sweep_name, arm_name, t0, alpha, specs) -> list[float]:
+    """Kernel deviation of this T0's warm-up snapshot from the sweep's reference arm."""
+    if t0 is None:
+        return []
+    sweep = next(s for s in plan.sweeps if s.name == sweep_name)
+    refs = [a for a in sweep.arms if a.reference]
+    if not refs:
+        return []
+    arm = next(a for a in sweep.arms if a.name == arm_name)
+    head_t0 = arm.warmup_rounds[0]
+    out = []
+    for spec in specs:
+        source = plan.out_dir / _key(sweep_name, arm_name, head_t0, alpha, spec.seed)
+        ref = plan.out_dir / _key(sweep_name, refs[0].name, None, alpha, spec.seed)
+        a = source / "checkpoints" / f"round_{t0}.pt"
+        b = ref / "checkpoints" / f"round_{t0}.pt"
+        if a.is_file() and b.is_file():
+            heads = int(yaml.safe_load((source / "config.yaml").read_text())["model"]["heads"])
+            out.append(kernel_deviation(a, b, heads))
+    return out
+
+
+def _fmt(mean, std) -> str:
+    if mean is None:
+        return "-"
+    if abs(mean) >= 1e4:
+        return f"{mean:.3g} +- {std:.2g}"
+    return f"{mean:.4f} +- {std:.4f}"
+
+
+def write_tables(rows: list[dict], out_dir: Path) -> list[Path]:
+    """``study.csv``, ``study.json`` and ``study.md`` (mean +- std (n)) in ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = sorted(rows, key=lambda r: (r["sweep"], str(r["alpha"]), r["arm"],
+                                       -1 if r["warmup_rounds"] is None else r["warmup_rounds"]))
+    paths = [out_dir / "study.csv", out_dir / "study.json", out_dir / "study.md"]
+    if rows:
+        with open(paths[0], "w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    paths[1].write_text(json.dumps(rows, indent=1))
+    lines = ["| sweep | alpha | arm | T0 | n | final acc | best acc | rounds to best | "
+             "personal acc | acc var (last 10) | grad-norm jump | kernel dev | MB up | "
+             "TFLOPs | s/round |", "|" + "---|" * 15]
+    for r in rows:
+        lines.append(
+            f"| {r['sweep']} | {r['alpha'] if r['alpha'] is not None else 'natural'} | "
+            f"{r['arm']} | {'' if r['warmup_rounds'] is None else r['warmup_rounds']} | "
+            f"{r['n_seeds']} | {_fmt(r['final_acc_mean'], r['final_acc_std'])} | "
+            f"{_fmt(r['best_acc_mean'], r['best_acc_std'])} | "
+            f"{_fmt(r['rounds_to_best_mean'], r['rounds_to_best_std'])} | "
+            f"{_fmt(r['personal_acc_mean'], r['personal_acc_std'])} | "
+            f"{_fmt(r['last_acc_var_mean'], r['last_acc_var_std'])} | "
+            f"{_fmt(r['grad_norm_jump_mean'], r['grad_norm_jump_std'])} | "
+            f"{_fmt(r['kernel_deviation_mean'], r['kernel_deviation_std'])} | "
+            f"{(r['bytes_up_mean'] or 0) / 1e6:.1f} | {(r['train_flops_mean'] or 0) / 1e12:.2f} "
+            f"| {_fmt(r['seconds_per_round_mean'], r['seconds_per_round_std'])} |")
+    paths[2].write_text("\n".join(lines) + "\n")
+    return paths
+
+
+def replace_out(plan: Plan, out_dir: Path) -> Plan:
+    return dataclasses.replace(plan, out_dir=Path(out_dir))
