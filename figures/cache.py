@@ -1,0 +1,56 @@
+"""Intermediate results cached by a hash of their configuration.
+
+``cached(name, config, compute)`` returns ``compute()``'s JSON-serialisable result, stored in
+``<cache_dir>/<name>-<hash>.json`` with hash = sha256(config + theory/simulator sources)[:16];
+a second call with the same configuration and code reads the file instead of recomputing.
+Files are written atomically, so a killed run leaves no half-written entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+
+CACHE_DIR = Path(__file__).resolve().parent / "out" / ".cache"
+_ROOT = Path(__file__).resolve().parent.parent
+
+
+@cache
+def code_fingerprint() -> str:
+    """sha256 over the sources whose results are cached (theory and simulator)."""
+    digest = hashlib.sha256()
+    for part in ("linattn_theory", "simulations"):
+        for path in sorted((_ROOT / part).rglob("*.py")):
+            digest.update(path.relative_to(_ROOT).as_posix().encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def config_hash(config: dict) -> str:
+    blob = json.dumps({"config": config, "code": code_fingerprint()}, sort_keys=True,
+                      default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def cached(name: str, config: dict, compute: Callable[[], dict],
+           cache_dir: Path | None = None) -> tuple[dict, bool]:
+    """Return ``(result, hit)``; ``hit`` tells whether it came from the cache."""
+    folder = Path(cache_dir) if cache_dir is not None else CACHE_DIR
+    path = folder / f"{name}-{config_hash(config)}.json"
+    if path.is_file():
+        try:
+            return json.loads(path.read_text()), True
+        except json.JSONDecodeError:
+            path.unlink()  # a corrupt entry is recomputed
+    result = compute()
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(result, fh, default=float)
+    os.replace(tmp, path)
+    return result, False
