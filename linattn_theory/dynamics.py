@@ -18,7 +18,12 @@ import numpy as np
 
 from linattn_theory.errors import ParameterError, require
 from linattn_theory.frozen import _check_steps, local_value_maps
-from linattn_theory.objectives import factored_gradients, local_gradients, value_quadratic
+from linattn_theory.objectives import (
+    factored_gradients,
+    global_loss,
+    local_gradients,
+    value_quadratic,
+)
 from linattn_theory.problem import Problem
 from linattn_theory.profile import profile_values
 
@@ -145,6 +150,7 @@ def warmup_paths(problem: Problem, start: InitialPoint, lr: float, local_steps: 
     ref = tuple(x.copy() for x in state)
     doubled = _doubled(problem)
     kernels, values, ref_kernels = [_kernel(state)], [state[-1]], [_kernel(ref)]
+    ref_losses = [global_loss(problem, _kernel(ref), ref[-1])]
     for t in range(rounds):
         with np.errstate(over="ignore", invalid="ignore"):
             state, ref = _round(problem, doubled, state, ref, lr, local_steps)
@@ -153,6 +159,16 @@ def warmup_paths(problem: Problem, start: InitialPoint, lr: float, local_steps: 
                 f"lr={lr:g} with local_steps={local_steps} diverged in warm-up round {t + 1}; "
                 "lr must be below the stability limit 2/L (see estimate_constants)"
             )
+        # centralized GD below its stability limit decreases F every step; an increase of
+        # the reference's F means eta is past the limit on this path (oscillation or chaos)
+        ref_loss = global_loss(problem, _kernel(ref), ref[-1])
+        if ref_loss > ref_losses[-1] + 1e-9 * max(1.0, abs(ref_losses[-1])):
+            raise ParameterError(
+                f"lr={lr:g} with local_steps={local_steps} is unstable: the drift-free "
+                f"reference's F rose from {ref_losses[-1]:.6g} to {ref_loss:.6g} in warm-up "
+                f"round {t + 1}; lr must be below the stability limit 2/L along the path"
+            )
+        ref_losses.append(ref_loss)
         kernels.append(_kernel(state))
         values.append(state[-1])
         ref_kernels.append(_kernel(ref))

@@ -231,7 +231,9 @@ def optimal_warmup_nonconvex(constants: WarmupConstants) -> float:
 
     The capped bound min(Delta_0, A/tau) + S tau equals Delta_0 at T0 = 0 and 2 sqrt(A S) at
     tau* = sqrt(A/S); the interior point wins only if it is lower, and when tau* lies beyond T
-    the bound at T is compared with T0 = 0 the same way.
+    the bound at T is compared with T0 = 0 the same way (29b). That is the exact argmin over
+    [0, T]; in that horizon-bound corner it is not monotone in eta and K (a longer horizon
+    eta K T lowers the bound at T), which (30) excludes.
     """
     a, slope = constants.sublinear_constant, constants.drift_slope
     if a is None:
@@ -321,10 +323,9 @@ def _choose_regime(constants: WarmupConstants) -> str:
         return "nonconvex"
     if not (has_pl or has_nc):
         raise ParameterError("need pl_constant > 0 or kernel_distance to choose a regime")
-    # both available: the tighter bound at its own optimum
-    pl = stylized_bound(constants, [round(optimal_warmup_pl(constants))], "pl").total[0]
-    nc = stylized_bound(constants, [round(optimal_warmup_nonconvex(constants))],
-                        "nonconvex").total[0]
+    # both available: the regime whose bound (27) reaches the lower minimum over T0 in 0..T
+    pl = float(np.min(stylized_bound(constants, None, "pl").total))
+    nc = float(np.min(stylized_bound(constants, None, "nonconvex").total))
     return "pl" if pl <= nc else "nonconvex"
 
 
@@ -338,7 +339,8 @@ def recommend_warmup(constants, regime: str = "auto", **schedule) -> Recommendat
         :func:`linattn_theory.constants.estimate_constants` (pass ``lr``, ``local_steps``,
         ``total_rounds`` and optionally ``start``, ``phi_star``, ``probe_rounds`` as keywords).
     regime : {"auto", "pl", "nonconvex"}
-        ``auto`` takes the regime whose bound is lower at its own T0*.
+        ``auto`` takes the regime whose full bound (27) reaches the lower minimum over the
+        integer T0 in [0, T].
     """
     if not isinstance(constants, WarmupConstants):
         from linattn_theory.constants import estimate_constants
