@@ -54,36 +54,58 @@ def value_quadratic(problem: Problem, kernel: np.ndarray):
     mt = np.swapaxes(m, -1, -2)
     hessians = fourth_moment(mt @ s @ m, s, n)
     linear = fourth_moment(mt @ s @ m_star, s, n) @ v_star
-    g_star = fourth_moment(np.swapaxes(m_star, 1, 2) @ s @ m_star, s, n)
-    constants = 0.5 * np.einsum("cia,cij,cja->c", v_star, g_star, v_star)
-    constants = constants + 0.5 * problem.out_dim * problem.noise**2
-    return hessians, linear, constants
+    return hessians, linear, problem.teacher_products.constants
 
 
 def client_losses(problem: Problem, kernel: np.ndarray, value: np.ndarray) -> np.ndarray:
     """L_m(M, V) for every client by eq. (6); shape (C,). No ridge terms."""
     m, v = _per_client(problem, kernel, value)
-    h, lin, const = value_quadratic(problem, m)
-    quad = np.einsum("cia,cij,cja->c", v, h, v)
-    return 0.5 * quad - np.einsum("cia,cia->c", v, lin) + const
+    h_v, lin, _, _, _ = _value_terms(problem, m, v)
+    quad = np.einsum("cia,cia->c", v, h_v)
+    return 0.5 * quad - np.einsum("cia,cia->c", v, lin) + problem.teacher_products.constants
+
+
+def _value_terms(problem: Problem, m: np.ndarray, v: np.ndarray):
+    """H_m V, C_m and the shared products u = S V, P = S M, P S (see client_gradients)."""
+    s, n = problem.covariances, problem.context_length
+    t = problem.teacher_products
+    mt = np.swapaxes(m, 1, 2)
+    u = s @ v                                   # S V            (C, d, dy)
+    ps = s @ m                                  # P = S M        (C, d, d)
+    pss = ps @ s                                # P S
+    tr_a = np.einsum("cij,cij->c", m, pss)      # tr(M^T S M S)
+    h_v = (1 + 1 / n) * (s @ (mt @ (ps @ u))) + (tr_a / n)[:, None, None] * u
+    tr_b = np.einsum("cij,cij->c", m, t.smss)   # tr(M^T S M* S)
+    lin = (s @ (mt @ t.smsw) + (t.smts @ (m @ t.sw)) / n
+           + (tr_b / n)[:, None, None] * t.sw)
+    return h_v, lin, u, ps, pss
 
 
 def client_gradients(problem: Problem, kernel: np.ndarray, value: np.ndarray):
     """(grad_M L_m, grad_V L_m) by eqs. (8) and (7); shapes (C, d, d) and (C, d, d_y).
 
     No ridge terms (they belong to F and to the local objectives f_m, see
-    :func:`local_gradients`).
+    :func:`local_gradients`). Evaluated without forming H_m or G_m(V V^T): with u = S V,
+    w = S V*, P = S M and the teacher-only products cached on the problem,
+
+        H_m V   = (1 + 1/n) S M^T S M u + tr(M^T S M S)/n u,
+        C_m     = S M^T (S M* w) + (1/n) (S M*^T S) M w + tr(M^T S M* S)/n w,
+        S M G(V V^T)   = (1 + 1/n) (P u) u^T + tr(V^T u)/n P S,
+        S M* G(V* V^T) = (S M* w) u^T + (1/n) ((S M* u) w^T + tr(V^T w) S M* S),
+
+    which is eq. (4) applied to the symmetric M^T S M and V V^T and to the rank-d_y products.
     """
-    s, n = problem.covariances, problem.context_length
-    m_star, v_star = problem.kernel_teachers, problem.value_teachers
+    n = problem.context_length
     m, v = _per_client(problem, kernel, value)
-    mt = np.swapaxes(m, 1, 2)
-    h = fourth_moment(mt @ s @ m, s, n)
-    lin = fourth_moment(mt @ s @ m_star, s, n) @ v_star
-    grad_v = h @ v - lin
-    vvt = v @ np.swapaxes(v, 1, 2)
-    svvt = v_star @ np.swapaxes(v, 1, 2)
-    grad_m = s @ m @ fourth_moment(vvt, s, n) - s @ m_star @ fourth_moment(svvt, s, n)
+    t = problem.teacher_products
+    h_v, lin, u, ps, pss = _value_terms(problem, m, v)
+    grad_v = h_v - lin
+    ut = np.swapaxes(u, 1, 2)
+    tr_vv = np.einsum("cia,cia->c", v, u)       # tr(V V^T S)
+    grad_m = (1 + 1 / n) * ((ps @ u) @ ut) + (tr_vv / n)[:, None, None] * pss
+    tr_sv = np.einsum("cia,cia->c", v, t.sw)    # tr(V* V^T S)
+    grad_m -= (t.smsw @ ut + ((t.sms @ u) @ np.swapaxes(t.sw, 1, 2)) / n
+               + (tr_sv / n)[:, None, None] * t.smss)
     return grad_m, grad_v
 
 

@@ -7,11 +7,24 @@ parameters and noise. :func:`make_problem` builds one from the heterogeneity kno
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 from scipy.linalg import expm
 
 from linattn_theory.errors import ParameterError, require
+
+
+@dataclass(frozen=True)
+class TeacherProducts:
+    """S V*, S M*, S M* S, S M* S V*, S M*^T S per client (shapes (C, d, .)) and c_m (eq. 6)."""
+
+    constants: np.ndarray
+    sw: np.ndarray
+    sms: np.ndarray
+    smss: np.ndarray
+    smsw: np.ndarray
+    smts: np.ndarray
 
 
 @dataclass(frozen=True, eq=False)
@@ -99,6 +112,20 @@ class Problem:
     @property
     def num_clients(self) -> int:
         return int(self.weights.size)
+
+    @cached_property
+    def teacher_products(self) -> TeacherProducts:
+        """Products of Sigma_m, M*_m, V*_m that the gradients reuse (computed once)."""
+        s, ms, vs = self.covariances, self.kernel_teachers, self.value_teachers
+        from linattn_theory.moments import fourth_moment
+
+        sms = s @ ms
+        sw = s @ vs
+        g_star = fourth_moment(np.swapaxes(ms, 1, 2) @ s @ ms, s, self.context_length)
+        constants = 0.5 * np.einsum("cia,cij,cja->c", vs, g_star, vs)
+        constants = constants + 0.5 * self.out_dim * self.noise**2
+        return TeacherProducts(constants=constants, sw=sw, sms=sms, smss=sms @ s, smsw=sms @ sw,
+                               smts=s @ np.swapaxes(ms, 1, 2) @ s)
 
     def to_dict(self) -> dict:
         return {
