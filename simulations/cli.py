@@ -1,0 +1,102 @@
+"""``linattn simulate ...``: run a config (single run or sweep), validate P1-P6, benchmark.
+
+    linattn simulate run --config simulations/configs/default.yaml [--out DIR] key=value ...
+    linattn simulate validate [--quick] [--out DIR]
+    linattn simulate bench [--out DIR] [--loop-seeds N]
+
+The router (``linattn/cli.py``) passes argv with argv[0] == "simulate". Bad input raises
+:class:`simulations.config.ConfigError` (``user_error = True``): exit status 2, nothing written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from simulations.config import ConfigError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would exit(2) itself; keep one path for user errors
+        raise ConfigError(message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    top = _Parser(prog="linattn simulate", description=__doc__,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = top.add_subparsers(dest="command", parser_class=_Parser)
+    run = sub.add_parser("run", help="single run or sweep from a YAML config")
+    run.add_argument("--config", required=True, help="YAML file (see simulations/configs)")
+    run.add_argument("--out", default=None, help="run directory (default runs/simulate/NAME-TIME)")
+    run.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    run.add_argument("overrides", nargs="*", help="dotted key=value, e.g. training.lr=0.05")
+    val = sub.add_parser("validate", help="checks P1-P6 on the default grid")
+    val.add_argument("--quick", action="store_true", help="small grid (seconds; for tests)")
+    val.add_argument("--out", default="runs/simulate/validation", help="output directory")
+    val.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    bench = sub.add_parser("bench", help="vectorized vs plain loop on the validation grid")
+    bench.add_argument("--out", default="docs/bench", help="directory for bench JSON")
+    bench.add_argument("--loop-seeds", type=int, default=None,
+                       help="seeds per setting timed with the plain loop (default: all)")
+    bench.add_argument("--quick", action="store_true", help="quick grid")
+    bench.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    return top
+
+
+def _threads(n: int) -> None:
+    import torch
+
+    if n < 1:
+        raise ConfigError(f"--threads={n} is not allowed; --threads must be >= 1")
+    torch.set_num_threads(n)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(argv or [])
+    if argv and argv[0] == "simulate":
+        argv = argv[1:]
+    parser = _parser()
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        from simulations.config import load_config
+        from simulations.runs import run_configs
+
+        _threads(args.threads)
+        configs, sweep = load_config(args.config, args.overrides)  # raises before any write
+        name = configs[0].simulation.name
+        out = Path(args.out or f"runs/simulate/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        summary = run_configs(configs, sweep, out)
+        for rec in summary["settings"]:
+            line = (f"setting {rec['index']}: empirical best T0 = {rec['empirical_best_warmup']}")
+            if "population_best_warmup" in rec:
+                line += f", population T0* = {rec['population_best_warmup']}"
+            print(line)
+        print(f"wrote {out} ({summary['wall_time_s']:.1f} s)")
+        return 0
+    if args.command == "validate":
+        from simulations.report import markdown_table
+        from simulations.validate import run_validation
+
+        _threads(args.threads)
+        result = run_validation(out_dir=args.out, quick=args.quick)
+        print(markdown_table(result))
+        print(f"wrote {args.out} ({result['timing']['total_s']:.1f} s)")
+        return 0
+    if args.command == "bench":
+        from simulations.bench import run_bench
+
+        _threads(args.threads)
+        run_bench(args.out, loop_seeds=args.loop_seeds, quick=args.quick)
+        return 0
+    parser.print_help()
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(main(sys.argv[1:]))

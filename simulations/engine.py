@@ -1,0 +1,439 @@
+"""The vectorized finite-sample simulator of two-stage FedAvg (FedFrozen).
+
+One :class:`Setting` is a problem plus a schedule. :func:`simulate` runs many settings and
+seeds at once: settings with the same shapes (d, C, n, N, B, K, T, T0 grid, parametrization,
+attention, participation) form one group whose runs (setting x seed) share every tensor op.
+
+A round of the warm-up, for every run r at once (tensors carry axes (run, copy, client)):
+
+1. Draw the minibatch indices (K, C, B) from the sampling stream of the run's seed, and the
+   participating clients from its participation stream.
+2. Copy the global model to every client (copy 0) and the drift-free reference to a second
+   copy (copy 1) of every client.
+3. K local SGD steps: copy 0 steps on its own client's minibatch; copy 1 steps on the pooled
+   minibatch, i.e. with sum_m p_m of the clients' minibatch gradients (centralized SGD on the
+   pooled data, same samples, full participation).
+4. FedAvg: the new global is sum_m p_m x_m over the participating clients (weights renormalised).
+
+The T0 sweep shares its warm-up prefix: the frozen run with warm-up T0 starts from the global
+model of round T0 and, from then on, trains V only (M fixed) on the same minibatch draws as
+every other run of its seed. A run with warm-up T0 is therefore identical, number for number,
+to a standalone run with that T0 (tests/simulations hold this against :mod:`simulations.loop`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from linattn_theory.dynamics import initial_point
+from linattn_theory.problem import Problem
+from simulations.data import (
+    ROLE_DATA,
+    ROLE_PARTICIPATION,
+    ROLE_SAMPLING,
+    ROLE_TEST,
+    role_rng,
+    sample_client_data,
+)
+from simulations.model import (
+    features,
+    kernel_of,
+    linear_gradients_stacked,
+    parameter_gradients,
+    sequence_loss,
+)
+
+
+@dataclass(frozen=True, eq=False)
+class Setting:
+    """One simulated configuration: a problem and a two-stage FedAvg schedule.
+
+    Attributes
+    ----------
+    problem : Problem
+    lr : float
+        eta, the local SGD step (both stages).
+    local_steps : int
+        K.
+    batch_size : int
+        B, sequences per local step (drawn with replacement from the client's N).
+    total_rounds : int
+        T.
+    warmup_rounds : tuple of int
+        The T0 values (sorted, each in [0, T]).
+    samples_per_client : int
+        N, the size of each client's training set.
+    test_samples : int
+        Size of each client's fresh test set.
+    parametrization : str
+        ``merged`` (M, V) or ``factored`` (W_Q, W_K, V).
+    rank : int or None
+        r of the factored parametrization (None: d).
+    attention : str
+        ``linear`` (the theory's model) or ``softmax`` (student only; teacher stays linear).
+    participation : float
+        Fraction of clients per round, in (0, 1]; ceil(fraction * C) clients are drawn.
+    init_scale, init_seed : float, int
+        The start (M_0, V_0) = ``linattn_theory.dynamics.initial_point(problem, init_scale,
+        parametrization, rank, init_seed)``, shared by all Monte Carlo seeds.
+    label : str
+        A name for reports.
+    """
+
+    problem: Problem
+    lr: float
+    local_steps: int
+    batch_size: int
+    total_rounds: int
+    warmup_rounds: tuple
+    samples_per_client: int = 2048
+    test_samples: int = 256
+    parametrization: str = "merged"
+    rank: int | None = None
+    attention: str = "linear"
+    participation: float = 1.0
+    init_scale: float = 0.3
+    init_seed: int = 1
+    label: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def start(self):
+        return initial_point(self.problem, self.init_scale, self.parametrization, self.rank,
+                             self.init_seed)
+
+    def group_key(self) -> tuple:
+        p = self.problem
+        return (p.dim, p.out_dim, p.num_clients, p.context_length, self.samples_per_client,
+                self.test_samples, self.batch_size, self.local_steps, self.total_rounds,
+                tuple(self.warmup_rounds), self.parametrization, self.rank, self.attention,
+                self.participation)
+
+    @property
+    def participants(self) -> int:
+        return max(1, int(np.ceil(self.participation * self.problem.num_clients - 1e-9)))
+
+
+@dataclass(frozen=True, eq=False)
+class SimResult:
+    """Raw trajectories of one setting over its seeds (S seeds, H = max T0, J T0 values).
+
+    Attributes
+    ----------
+    setting : Setting
+    seeds : ndarray, shape (S,)
+    kernels, values : ndarray, shapes (S, H+1, d, d), (S, H+1, d, d_y)
+        FedAvg's global (M_t, V_t) along the warm-up.
+    reference_kernels : ndarray, shape (S, H+1, d, d)
+        The drift-free reference M_bar_t.
+    test_loss : ndarray, shape (S, H+1)
+        sum_m p_m (mean loss on client m's fresh test set) of the global model.
+    grad_first, grad_last : ndarray, shape (S, H)
+        p-weighted mean over participating clients of the minibatch gradient norm (whole model)
+        at the first and at the last local step of each warm-up round.
+    frozen_values : ndarray, shape (S, J, T+1, d, d_y)
+        V_t of the run with warm-up T0_j (NaN for t < T0_j); its kernel is kernels[:, T0_j].
+    frozen_test_loss : ndarray, shape (S, J)
+        Test loss of every run's final model.
+    """
+
+    setting: Setting
+    seeds: np.ndarray
+    kernels: np.ndarray
+    values: np.ndarray
+    reference_kernels: np.ndarray
+    test_loss: np.ndarray
+    grad_first: np.ndarray
+    grad_last: np.ndarray
+    frozen_values: np.ndarray
+    frozen_test_loss: np.ndarray
+
+
+def _tensor(x, dtype=torch.float64) -> torch.Tensor:
+    return torch.as_tensor(np.ascontiguousarray(x), dtype=dtype)
+
+
+class _Group:
+    """Data, streams and per-run constants of one group of settings (runs = setting x seed).
+
+    Data sets are stored flat, (rows * C * N, ...), one row per (distinct problem, seed), so
+    that a minibatch of every run is one ``index_select``.
+    """
+
+    def __init__(self, settings: list[Setting], seeds: list[int]):
+        first = settings[0]
+        self.settings, self.seeds = settings, list(seeds)
+        self.attention = first.attention
+        self.clients = first.problem.num_clients
+        s_count = len(seeds)
+        self.run_setting = np.repeat(np.arange(len(settings)), s_count)
+        self.run_seed = np.tile(np.arange(s_count), len(settings))
+        problems: list[Problem] = []
+        prob_of = []
+        for s in settings:  # settings sharing a problem object share its data sets
+            found = next((i for i, p in enumerate(problems) if p is s.problem), None)
+            if found is None:
+                problems.append(s.problem)
+                found = len(problems) - 1
+            prob_of.append(found)
+        self.data_row = torch.as_tensor(np.asarray(prob_of)[self.run_setting] * s_count
+                                        + self.run_seed)
+        self._rows = len(problems)
+        keep = first.attention == "softmax"
+        self.train = self._stack(problems, first.samples_per_client, ROLE_DATA, keep)
+        self.test = self._stack(problems, first.test_samples, ROLE_TEST, keep)
+        self.n_train, self.n_test = first.samples_per_client, first.test_samples
+        probs = [settings[i].problem for i in self.run_setting]
+        self.weights = _tensor(np.stack([p.weights for p in probs]))  # (R, C)
+        self.lr = _tensor([settings[i].lr for i in self.run_setting])
+        self.ridge = _tensor([p.ridge for p in probs])
+        self.kernel_ridge = _tensor([p.kernel_ridge for p in probs])
+
+    def _stack(self, problems, size, role, keep_tokens) -> dict:
+        sets = [sample_client_data(p, size, seed, role=role, keep_tokens=keep_tokens)
+                for p in problems for seed in self.seeds]
+        out = {"sigma_hat": np.stack([s.sigma_hat for s in sets]),
+               "query": np.stack([s.query for s in sets]),
+               "target": np.stack([s.target for s in sets])}
+        if keep_tokens:
+            out["tokens"] = np.stack([s.tokens for s in sets])
+        if self.attention != "linear":
+            out.pop("sigma_hat")
+        # (rows, C, N, ...) -> one packed (rows * C * N, F) store: one gather per minibatch
+        layout = [(k, v.shape[3:]) for k, v in out.items()]
+        packed = np.concatenate([v.reshape(v.shape[0] * v.shape[1] * v.shape[2], -1)
+                                 for v in out.values()], axis=1)
+        return {"packed": _tensor(packed), "layout": layout}
+
+    def flat_index(self, index: torch.Tensor, size: int) -> torch.Tensor:
+        """Sample indices (..., R, C, B) of each run's own data -> rows of the flat store."""
+        c = torch.arange(self.clients)
+        base = (self.data_row[:, None] * self.clients + c[None, :]) * size  # (R, C)
+        return base[:, :, None] + index
+
+    def gather(self, store: dict, flat: torch.Tensor) -> dict:
+        """Tensors (*flat.shape, ...) of the samples at the flat store rows ``flat``."""
+        shape = tuple(flat.shape)
+        rows = store["packed"].index_select(0, flat.reshape(-1))
+        out, col = {}, 0
+        for key, tail in store["layout"]:
+            width = int(np.prod(tail))
+            out[key] = rows[:, col:col + width].reshape(*shape, *tail)
+            col += width
+        return out
+
+    def rows(self, store: dict, data_rows: torch.Tensor) -> dict:
+        """Whole data sets (len(data_rows), C, N, ...) of the given data rows (contiguous)."""
+        per_row = store["packed"].shape[0] // (self._rows * len(self.seeds))  # C * N
+        block = store["packed"].view(-1, per_row, store["packed"].shape[1])[data_rows]
+        out, col = {}, 0
+        for key, tail in store["layout"]:
+            width = int(np.prod(tail))
+            out[key] = block[..., col:col + width].reshape(len(data_rows), self.clients, -1,
+                                                           *tail)
+            col += width
+        return out
+
+    def test_set(self) -> dict:
+        return self.rows(self.test, self.data_row)
+
+
+def _expand(x: torch.Tensor, ndim: int) -> torch.Tensor:
+    """Per-run scalars (R,) -> (R, 1, ..., 1) with ``ndim`` axes in all."""
+    return x.reshape(x.shape + (1,) * (ndim - 1))
+
+
+def _test_loss(group: _Group, test: dict, kernel: torch.Tensor, value: torch.Tensor):
+    """sum_m p_m mean_i 1/2||yhat - y||^2 on the test sets; kernel (R, d, d) -> (R,)."""
+    loss = sequence_loss(kernel[:, None], value[:, None], test, group.attention)  # (R, C)
+    return torch.sum(loss * group.weights, dim=1)
+
+
+def _draw_streams(settings: list[Setting], seeds: list[int]):
+    """Minibatch indices (T, S, K, C, B) and participation masks (T, S, C) of every seed.
+
+    Each seed's streams are drawn round by round, exactly as a standalone run draws them.
+    """
+    first = settings[0]
+    c, t_total = first.problem.num_clients, first.total_rounds
+    shape = (first.local_steps, c, first.batch_size)
+    sampling = [role_rng(s, ROLE_SAMPLING) for s in seeds]
+    joining = [role_rng(s, ROLE_PARTICIPATION) for s in seeds]
+    index = np.empty((t_total, len(seeds), *shape), dtype=np.int64)
+    chosen = np.zeros((t_total, len(seeds), c))
+    for t in range(t_total):
+        for i in range(len(seeds)):
+            index[t, i] = sampling[i].integers(0, first.samples_per_client, size=shape)
+            chosen[t, i, joining[i].permutation(c)[: first.participants]] = 1.0
+    return torch.as_tensor(index), torch.as_tensor(chosen)
+
+
+def _simulate_group(settings: list[Setting], seeds: list[int]) -> list[SimResult]:
+    first = settings[0]
+    group = _Group(settings, seeds)
+    runs = len(group.run_setting)
+    t_total = first.total_rounds
+    t0s = np.asarray(first.warmup_rounds, dtype=np.int64)
+    horizon = int(t0s.max())
+    d, dy = first.problem.dim, first.problem.out_dim
+    index, chosen = _draw_streams(settings, seeds)
+    seed_of = torch.as_tensor(group.run_seed)
+
+    def weights_at(t):
+        mask = chosen[t][seed_of] * group.weights
+        return mask / mask.sum(dim=1, keepdim=True)  # (R, C) FedAvg weights
+
+    def batches_at(t):
+        flat = group.flat_index(index[t][seed_of].permute(1, 0, 2, 3), group.n_train)
+        both = group.gather(group.train, flat)  # (K, R, C, B, ...)
+        return [{key: v[k] for key, v in both.items()} for k in range(flat.shape[0])]
+
+    starts = [s.start() for s in settings]
+    names = ("kernel", "value") if first.parametrization == "merged" else ("query", "key", "value")
+    glob = tuple(_tensor(np.stack([getattr(starts[i], n) for i in group.run_setting]))
+                 for n in names)  # each (R, ...)
+    ref = tuple(x.clone() for x in glob)
+    test = group.test_set()
+
+    # 1. warm-up: FedAvg and the reference, rounds 0..H-1
+    kernels = torch.empty(runs, horizon + 1, d, d, dtype=torch.float64)
+    values = torch.empty(runs, horizon + 1, d, dy, dtype=torch.float64)
+    ref_kernels = torch.empty_like(kernels)
+    test_loss = torch.empty(runs, horizon + 1, dtype=torch.float64)
+    grad_first = torch.zeros(runs, horizon, dtype=torch.float64)
+    grad_last = torch.zeros_like(grad_first)
+    for t in range(horizon + 1):
+        kernels[:, t], values[:, t], ref_kernels[:, t] = kernel_of(glob), glob[-1], kernel_of(ref)
+        test_loss[:, t] = _test_loss(group, test, kernel_of(glob), glob[-1])
+        if t < horizon:
+            glob, ref, norms = _warmup_round(group, glob, ref, batches_at(t), weights_at(t))
+            grad_first[:, t], grad_last[:, t] = norms
+
+    # 2. frozen stage of every T0: V only, M = M_T0, on the same minibatch draws
+    frozen_hist = torch.full((runs, t0s.size, t_total + 1, d, dy), float("nan"),
+                             dtype=torch.float64)
+    frozen_test = torch.empty(runs, t0s.size, dtype=torch.float64)
+    for j, t0 in enumerate(t0s):
+        kernel, value = kernels[:, t0], values[:, t0].clone()
+        frozen_hist[:, j, t0] = value
+        feats = _frozen_features(group, kernel)  # (rows * C * N, d) per run: (R, C, N, d)
+        for t in range(int(t0), t_total):
+            value = _frozen_round(group, feats, index[t][seed_of], value, weights_at(t))
+            frozen_hist[:, j, t + 1] = value
+        frozen_test[:, j] = _test_loss(group, test, kernel, value)
+
+    out = []
+    for i, s in enumerate(settings):
+        sel = torch.as_tensor(np.flatnonzero(group.run_setting == i))
+        out.append(SimResult(
+            setting=s, seeds=np.asarray(seeds), kernels=kernels[sel].numpy(),
+            values=values[sel].numpy(), reference_kernels=ref_kernels[sel].numpy(),
+            test_loss=test_loss[sel].numpy(), grad_first=grad_first[sel].numpy(),
+            grad_last=grad_last[sel].numpy(), frozen_values=frozen_hist[sel].numpy(),
+            frozen_test_loss=frozen_test[sel].numpy()))
+    return out
+
+
+def _warmup_round(group, glob, ref, batches, agg):
+    """One FedAvg round (copy 0) and one reference round (copy 1) for every run.
+
+    Returns the new global model, the new reference and the p-weighted mean gradient norms
+    of the participating clients at the first and the last local step.
+    """
+    c = agg.shape[1]
+    p = group.weights
+    # (R, 2, C, ...): copy 0 = client m's local model, copy 1 = the reference
+    local = [torch.stack([g.unsqueeze(1).expand(-1, c, *g.shape[1:]),
+                          r.unsqueeze(1).expand(-1, c, *r.shape[1:])], dim=1).clone()
+             for g, r in zip(glob, ref)]
+    lr = group.lr
+    ridge, kridge = _expand(group.ridge, 5), _expand(group.kernel_ridge, 5)
+    norms = [None, None]
+    for k, batch in enumerate(batches):
+        grads = _gradients(group, tuple(local), batch, ridge, kridge)
+        sq = sum(torch.sum(g[:, 0] ** 2, dim=(-2, -1)) for g in grads)  # (R, C)
+        norm = torch.sum(agg * torch.sqrt(sq), dim=1)
+        if k == 0:
+            norms[0] = norm
+        norms[1] = norm
+        for x, g in zip(local, grads):
+            step = _expand(lr, g.dim() - 1)
+            x[:, 0] -= step * g[:, 0]
+            pooled = torch.einsum("rc...,rc->r...", g[:, 1], p)  # pooled minibatch gradient
+            x[:, 1] -= step * pooled.unsqueeze(1)
+    new_glob = tuple(torch.einsum("rc...,rc->r...", x[:, 0], agg) for x in local)
+    new_ref = tuple(x[:, 1, 0].clone() for x in local)
+    return new_glob, new_ref, norms
+
+
+def _gradients(group, params, batch, ridge, kridge):
+    """Gradients of the stacked copies (R, 2, C, ...) on the minibatch (R, C, B, ...)."""
+    if group.attention != "linear":
+        batch = {key: v.unsqueeze(1) for key, v in batch.items()}
+        return parameter_gradients(params, batch, group.attention, ridge, kridge)
+    kernel = kernel_of(params)
+    grad_m, grad_v = linear_gradients_stacked(kernel, params[-1], batch["sigma_hat"],
+                                              batch["query"], batch["target"], ridge, kridge)
+    if len(params) == 2:
+        return grad_m, grad_v
+    query, key = params[0], params[1]
+    return grad_m @ key, grad_m.transpose(-1, -2) @ query, grad_v
+
+
+def _frozen_features(group, kernel, chunk: int = 8):
+    """u_i of every training sequence of every run under its frozen kernel, (R, C, N, d).
+
+    Computed ``chunk`` runs at a time to bound the memory of the gathered data.
+    """
+    runs = len(group.run_setting)
+    out = []
+    for lo in range(0, runs, chunk):
+        rows = slice(lo, min(lo + chunk, runs))
+        data = group.rows(group.train, group.data_row[rows])  # (size, C, N, ...)
+        if group.attention == "linear":  # u = Sigma_hat M^T x_q, elementwise (no tiny matmuls)
+            a = torch.matmul(data["query"], kernel[rows, None])  # rows (M^T x_q)^T
+            u = torch.sum(data["sigma_hat"] * a.unsqueeze(-2), dim=-1)
+        else:
+            u = features(kernel[rows, None], data, group.attention)[0]
+        out.append(torch.cat([u, data["target"]], dim=-1))  # packed [u, y], (size, C, N, d+d_y)
+    return torch.cat(out)
+
+
+def _frozen_round(group, feats, index, value, agg):
+    """One frozen-stage round (V only, M fixed); value (R, d, d_y) -> new global value.
+
+    feats (R, C, N, d + d_y) are the fixed features u_i packed with the labels y_i;
+    index (R, K, C, B) the minibatches.
+    """
+    runs, c = agg.shape
+    n, d = feats.shape[2], value.shape[-2]
+    base = torch.arange(runs * c).reshape(runs, 1, c, 1) * n
+    rows = feats.reshape(-1, feats.shape[-1]).index_select(0, (base + index).reshape(-1))
+    rows = rows.reshape(*index.shape, -1)  # (R, K, C, B, d + d_y)
+    local = value.unsqueeze(1).expand(-1, c, -1, -1).clone()  # (R, C, d, d_y)
+    ridge, lr = _expand(group.ridge, 4), _expand(group.lr, 4)
+    for k in range(index.shape[1]):
+        u, y = rows[:, k, ..., :d], rows[:, k, ..., d:]  # (R, C, B, d), (R, C, B, d_y)
+        res = torch.matmul(u, local) - y
+        local -= lr * (torch.matmul(u.transpose(-1, -2), res) / u.shape[2] + ridge * local)
+    return torch.einsum("rc...,rc->r...", local, agg)
+
+
+def simulate(settings, seeds) -> list[SimResult]:
+    """Simulate every setting for every seed; returns one :class:`SimResult` per setting.
+
+    Settings are grouped by :meth:`Setting.group_key` and each group runs vectorized.
+    """
+    single = isinstance(settings, Setting)
+    settings = [settings] if single else list(settings)
+    seeds = [int(s) for s in np.atleast_1d(seeds)]
+    groups: dict[tuple, list[int]] = {}
+    for i, s in enumerate(settings):
+        groups.setdefault(s.group_key(), []).append(i)
+    results: list[SimResult | None] = [None] * len(settings)
+    for members in groups.values():
+        for i, res in zip(members, _simulate_group([settings[i] for i in members], seeds)):
+            results[i] = res
+    return results[0] if single else results

@@ -1,0 +1,423 @@
+"""Checks P1-P6 of THEORY.md section 4 on a stated grid (``linattn simulate validate``).
+
+Every check states its criterion, the measured value and PASS or FAIL; the criteria are fixed
+here, before any run, and are not tuned to the outcome. :func:`run_validation` returns a dict
+with every number (the figures/report code calls it and prints the same numbers).
+
+Monte Carlo: S seeds per setting; a seed fixes the clients' finite data sets, the minibatch
+draws and the participation draws (all seeds start from the same (M_0, V_0), as the population
+dynamics do). SE = std over seeds / sqrt(S). All losses are *exact population* values of the
+simulated parameters (``simulations.metrics``), so the only gaps to the population dynamics are
+(i) Monte Carlo error, (ii) the finite data sets (O(1/N)) and (iii) the minibatch noise, whose
+mean effect on the non-linear kernel dynamics is O(eta / B) and is not in the population
+dynamics. P1 therefore runs with a large batch (``p1_batch_size``) and also reports the gap at
+the default batch (diagnosis of (iii)).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import asdict, dataclass, replace
+
+import numpy as np
+
+from linattn_theory.constants import estimate_constants
+from linattn_theory.frozen import noise_stationary_term
+from linattn_theory.problem import make_problem
+from linattn_theory.warmup import recommend_warmup, stylized_bound
+from simulations.data import sample_client_data
+from simulations.engine import Setting, simulate
+from simulations.metrics import compute_metrics, mean_se, phi_star, population, profile_parts
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The validation grid. Problem: d, C, n, rho, lambda = lambda_M, s; schedule: T, B, N.
+
+    Base factorial: heterogeneity (zeta_K = zeta_V = zeta) x local_steps x lr; variants of the
+    context length n and the client count C at (``variant_heterogeneity``, K=5, eta=0.05).
+    """
+
+    dim: int = 6
+    num_clients: int = 8
+    context_length: int = 16
+    covariate_shift: float = 0.5
+    ridge: float = 0.01
+    noise: float = 0.1
+    problem_seed: int = 0
+    total_rounds: int = 60
+    heterogeneity: tuple = (0.0, 0.5, 1.0)
+    local_steps: tuple = (2, 5, 10)
+    lr: tuple = (0.05, 0.1)
+    context_variants: tuple = (8, 32)
+    client_variants: tuple = (4, 16)
+    variant_heterogeneity: float = 1.0
+    iid_points: tuple = ((5, 0.1), (10, 0.1))
+    batch_size: int = 32
+    samples_per_client: int = 2048
+    test_samples: int = 128
+    seeds: int = 8
+    warmup_grid: tuple = (0, 1, 2, 3, 4, 6, 8, 11, 16, 22, 30, 42, 60)
+    p1_batch_size: int = 256
+    p1_points: tuple = ((0.5, 5, 0.05), (0.5, 5, 0.1), (1.0, 5, 0.05), (1.0, 5, 0.1))
+    floor_points: tuple = ((0.5, 5, 0.1), (1.0, 5, 0.1), (1.0, 10, 0.05))
+    floor_warmup: int = 16
+    floor_rounds: int = 160
+    floor_batch_sizes: tuple = (32, 256)
+    p6_points: tuple = ((0.5, 5, 0.05), (0.5, 5, 0.1), (1.0, 5, 0.05), (1.0, 5, 0.1))
+
+    @classmethod
+    def quick(cls) -> Grid:
+        """A small grid for tests (seconds): same checks, fewer and shorter runs."""
+        return cls(dim=4, num_clients=4, context_length=8, total_rounds=24,
+                   heterogeneity=(0.0, 1.0), local_steps=(2, 5), lr=(0.1,),
+                   context_variants=(), client_variants=(), samples_per_client=256,
+                   test_samples=32, seeds=4, warmup_grid=(0, 2, 4, 8, 12, 16, 24),
+                   p1_batch_size=64, p1_points=((1.0, 5, 0.1),), floor_points=((1.0, 5, 0.1),),
+                   floor_warmup=8, floor_rounds=48, floor_batch_sizes=(32,),
+                   iid_points=((5, 0.1),), p6_points=((1.0, 5, 0.1),))
+
+
+class _Problems:
+    """make_problem per (zeta, n, C), built once, so that settings share data sets."""
+
+    def __init__(self, grid: Grid):
+        self.grid, self.cache = grid, {}
+
+    def get(self, zeta, n=None, c=None, rho=None):
+        g = self.grid
+        rho = g.covariate_shift if rho is None else rho
+        key = (zeta, n or g.context_length, c or g.num_clients, rho)
+        if key not in self.cache:
+            self.cache[key] = make_problem(dim=g.dim, num_clients=key[2], context_length=key[1],
+                                           kernel_heterogeneity=zeta, value_heterogeneity=zeta,
+                                           covariate_shift=rho, ridge=g.ridge,
+                                           noise=g.noise, seed=g.problem_seed)
+        return self.cache[key]
+
+
+def _setting(grid, problems, zeta, k, lr, n=None, c=None, rho=None, **kw) -> Setting:
+    label = (f"zeta={zeta:g},K={k},lr={lr:g}" + (f",n={n}" if n else "") + (f",C={c}" if c else "")
+             + (f",rho={rho:g}" if rho is not None else ""))
+    args = dict(problem=problems.get(zeta, n, c, rho), lr=lr, local_steps=k,
+                batch_size=grid.batch_size, total_rounds=grid.total_rounds,
+                warmup_rounds=tuple(grid.warmup_grid), samples_per_client=grid.samples_per_client,
+                test_samples=grid.test_samples, label=label)
+    args.update(kw)
+    if "parametrization" in kw:
+        args["label"] = label + f",{kw['parametrization']}"
+    return Setting(**args)
+
+
+def _grid_settings(grid: Grid, problems: _Problems) -> list[Setting]:
+    out = [_setting(grid, problems, z, k, lr) for z in grid.heterogeneity
+           for k in grid.local_steps for lr in grid.lr]
+    vz = grid.variant_heterogeneity
+    out += [_setting(grid, problems, vz, 5, 0.05, n=n) for n in grid.context_variants]
+    out += [_setting(grid, problems, vz, 5, 0.05, c=c) for c in grid.client_variants]
+    out += [_setting(grid, problems, 0.0, k, lr, rho=0.0) for k, lr in grid.iid_points]
+    return out
+
+
+def _argmin(values, rounds) -> int:
+    return int(np.asarray(rounds)[int(np.nanargmin(values))])
+
+
+def _ratio(a: int, b: int) -> float:
+    """Factor between two warm-up lengths, with T0 = 0 counted as 1 round."""
+    a, b = max(a, 1), max(b, 1)
+    return max(a, b) / min(a, b)
+
+
+def _curve_check(sim, pop, delta0):
+    """|mean - pop| <= 4 SE + 0.01 Delta_0 at every T0; returns the record."""
+    mean, se = mean_se(sim)
+    gap = np.abs(mean - pop)
+    allowed = 4 * se + 0.01 * delta0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        z = np.where(se > 0, gap / se, 0.0)
+    return {"sim_mean": mean.tolist(), "sim_se": se.tolist(),
+            "population": np.asarray(pop).tolist(),
+            "max_abs_gap": float(gap.max()), "max_z": float(np.max(z)),
+            "within": bool(np.all(gap <= allowed + 1e-15))}
+
+
+def _check_p1(grid, problems, records) -> dict:
+    rows = []
+    for zeta, k, lr in grid.p1_points:
+        base = _setting(grid, problems, zeta, k, lr)
+        big = replace(base, batch_size=grid.p1_batch_size,
+                      label=base.label + f",B={grid.p1_batch_size}")
+        sim_big = compute_metrics(simulate(big, list(range(grid.seeds))))
+        pop = population(big)
+        delta0 = float(pop.kernel_error_path[0])
+        small = records[base.label]
+        row = {"setting": big.label, "delta0": delta0,
+               "bias": _curve_check(sim_big.bias, pop.bias, delta0),
+               "drift": _curve_check(sim_big.drift, pop.drift, delta0),
+               "default_batch_bias": _curve_check(small["metrics"].bias, pop.bias, delta0),
+               "default_batch_drift": _curve_check(small["metrics"].drift, pop.drift, delta0)}
+        bias_mean = np.asarray(row["bias"]["sim_mean"])
+        bias_se = np.asarray(row["bias"]["sim_se"])
+        row["bias_decreasing"] = bool(np.all(np.diff(bias_mean)
+                                             <= 2 * (bias_se[1:] + bias_se[:-1])))
+        drift_mean = np.asarray(row["drift"]["sim_mean"])
+        row["drift_increasing"] = bool(np.all(np.diff(drift_mean) >= -2 * np.asarray(
+            row["drift"]["sim_se"])[1:]))
+        row["population_drift_increasing"] = bool(np.all(np.diff(pop.drift) >= 0))
+        rows.append(row)
+    match = all(r["bias"]["within"] and r["drift"]["within"] for r in rows)
+    bias_dec = all(r["bias_decreasing"] for r in rows)
+    drift_inc = all(r["drift_increasing"] for r in rows)
+    return {
+        "criterion": (f"at B={grid.p1_batch_size}, every T0 of the grid: |sim mean - population| "
+                      "<= 4 SE + 0.01 Delta_0 for bias and drift; bias non-increasing and drift "
+                      "non-decreasing in T0 (each step within 2 SE)"),
+        "measured": {"curves_match": match, "bias_decreasing": bias_dec,
+                     "drift_increasing": drift_inc,
+                     "max_z_bias": max(r["bias"]["max_z"] for r in rows),
+                     "max_z_drift": max(r["drift"]["max_z"] for r in rows),
+                     "max_z_drift_default_batch": max(r["default_batch_drift"]["max_z"]
+                                                      for r in rows)},
+        "pass": match and bias_dec and drift_inc,
+        "points": rows,
+    }
+
+
+def _check_p2_p3(grid, records) -> tuple[dict, dict]:
+    rows = []
+    for label, rec in records.items():
+        st, m, pop_fine = rec["setting"], rec["metrics"], rec["population_fine"]
+        mean, se = mean_se(m.final_error)
+        t0s = np.asarray(st.warmup_rounds)
+        pred = pop_fine.best_warmup
+        emp = _argmin(mean, t0s)
+        best = int(np.argmin(mean))
+        u_shape = bool(mean[0] - mean[best] > 2 * (se[0] + se[best])
+                       and mean[-1] - mean[best] > 2 * (se[-1] + se[best]))
+        rows.append({"setting": label, "heterogeneity": st.problem.knobs["kernel_heterogeneity"],
+                     "local_steps": st.local_steps, "lr": st.lr,
+                     "context_length": st.problem.context_length,
+                     "num_clients": st.problem.num_clients,
+                     "covariate_shift": st.problem.knobs["covariate_shift"], "predicted_T0": pred,
+                     "closed_form_T0": rec["recommendation"]["warmup_rounds"],
+                     "closed_form_regime": rec["recommendation"]["regime"],
+                     "bound_argmin_T0": rec["recommendation"]["numeric_argmin"],
+                     "empirical_T0": emp, "factor": _ratio(emp, pred),
+                     "within_factor_2": _ratio(emp, pred) <= 2.0, "u_shaped": u_shape,
+                     "R_pop_at_T": float(pop_fine.final_error[-1]),
+                     "R_pop_min": float(pop_fine.final_error.min()),
+                     "R_pop_0": float(pop_fine.final_error[0])})
+    het = [r for r in rows if r["heterogeneity"] > 0]
+    rate = float(np.mean([r["within_factor_2"] for r in het])) if het else float("nan")
+    interior = [r for r in het if r["predicted_T0"] < grid.total_rounds]
+    p2 = {"criterion": ("heterogeneous points (zeta > 0): empirical argmin of the sim mean R(T0) "
+                        "over the T0 grid within a factor 2 of the population-dynamics argmin "
+                        "(T0 = 0 counted as 1) on >= 90% of points; U-shape reported"),
+          "measured": {"within_factor_2_rate": rate, "points": len(het),
+                       "interior_points": len(interior),
+                       "interior_within_factor_2_rate": float(np.mean(
+                           [r["within_factor_2"] for r in interior])) if interior else float("nan"),
+                       "max_factor": float(max(r["factor"] for r in het)) if het else float("nan"),
+                       "u_shaped_rate": float(np.mean([r["u_shaped"] for r in het])) if het
+                       else float("nan"),
+                       "closed_form_within_factor_2_rate": float(np.mean(
+                           [_ratio(r["closed_form_T0"], r["predicted_T0"]) <= 2 for r in het]))
+                       if het else float("nan")},
+          "pass": bool(rate >= 0.9), "points": rows}
+    p3 = _check_p3(grid, rows)
+    return p2, p3
+
+
+def _check_p3(grid, rows) -> dict:
+    base = {(r["heterogeneity"], r["local_steps"], r["lr"]): r for r in rows
+            if r["context_length"] == grid.context_length and r["num_clients"] == grid.num_clients
+            and r["covariate_shift"] == grid.covariate_shift}
+    axes = {"heterogeneity": grid.heterogeneity, "local_steps": grid.local_steps, "lr": grid.lr}
+    pairs = {"predicted_T0": [0, 0], "empirical_T0": [0, 0]}
+    for axis, levels in axes.items():
+        pos = list(axes).index(axis)
+        for key in base:
+            if key[pos] != levels[0]:
+                continue
+            chain = [base.get(key[:pos] + (v,) + key[pos + 1:]) for v in levels]
+            if any(c is None for c in chain) or (axis != "heterogeneity" and key[0] == 0):
+                continue
+            for name in pairs:
+                vals = [c[name] for c in chain]
+                pairs[name][0] += sum(b <= a for a, b in zip(vals, vals[1:]))
+                pairs[name][1] += len(vals) - 1
+    t = grid.total_rounds
+    iid = [r for r in rows if r["heterogeneity"] == 0]
+    flat = [r["predicted_T0"] == t or (r["R_pop_at_T"] - r["R_pop_min"])
+            <= 0.01 * (r["R_pop_0"] - r["R_pop_min"]) for r in iid]
+    emp_flat = [r["empirical_T0"] >= t // 2 for r in iid]
+    rate = {k: (v[0] / v[1] if v[1] else float("nan")) for k, v in pairs.items()}
+    return {"criterion": ("T0* non-increasing along each of zeta, K, eta in the base grid (all "
+                          "adjacent pairs, zeta > 0 for K and eta); at zeta_K = zeta_V = 0 "
+                          f"(rho = {grid.covariate_shift:g} and rho = 0) the population T0* = T "
+                          "or R(T) - min R <= 1% of R(0) - min R"),
+            "measured": {"monotone_rate_population": rate["predicted_T0"],
+                         "monotone_rate_empirical": rate["empirical_T0"],
+                         "iid_flat_or_T": bool(all(flat)), "iid_empirical_T0_ge_T_over_2":
+                         bool(all(emp_flat))},
+            "pass": bool(rate["predicted_T0"] == 1.0 and rate["empirical_T0"] >= 0.9 and all(flat)),
+            }
+
+
+def _check_p4(grid, problems) -> dict:
+    rows = []
+    for (zeta, k, lr), bsz in itertools.product(grid.floor_points, grid.floor_batch_sizes):
+        st = _setting(grid, problems, zeta, k, lr, total_rounds=grid.floor_rounds,
+                      warmup_rounds=(grid.floor_warmup,), batch_size=bsz)
+        st = replace(st, label=st.label + f",B={bsz}")
+        res = simulate(st, list(range(grid.seeds)))
+        m = compute_metrics(res)
+        prob = st.problem
+        kernels = res.kernels[:, grid.floor_warmup]
+        phi, hess, opt, _, _ = profile_parts(prob, kernels)
+        tail = res.frozen_values[:, 0, grid.floor_rounds // 2 + 1:]  # second half of the rounds
+        gap = tail - opt[:, None]
+        measured = 0.5 * np.einsum("stia,sij,stja->st", gap, hess, gap).mean(axis=1)
+        noise = []
+        for i, seed in enumerate(res.seeds):
+            data = sample_client_data(prob, st.samples_per_client, int(seed))
+            noise.append(_noise_term(st, kernels[i], data))
+        floor = m.frozen_floor[:, 0]
+        pred = floor + np.asarray(noise)
+        diff_mean, diff_se = mean_se(measured - pred)
+        rows.append({"setting": st.label, "measured_floor": float(measured.mean()),
+                     "measured_se": float(mean_se(measured)[1]),
+                     "D_frozen": float(floor.mean()), "noise_term": float(np.mean(noise)),
+                     "predicted": float(pred.mean()), "diff": float(diff_mean),
+                     "diff_se": float(diff_se),
+                     "ratio_measured_to_predicted": float(measured.mean() / pred.mean()),
+                     "within": bool(abs(diff_mean) <= 4 * diff_se + 0.1 * pred.mean())})
+    return {"criterion": (f"frozen stage from M_T0 (T0 = {grid.floor_warmup}) run "
+                          f"{grid.floor_rounds} rounds at B in {list(grid.floor_batch_sizes)}; "
+                          "floor = mean over the second half of F(M, V_t) - Phi(M); per seed "
+                          "prediction D_frozen(M) (eq. 17) + minibatch noise term (eq. 18, "
+                          "gradient covariance of the client's data at V_inf); "
+                          "|mean(measured - predicted)| <= 4 SE + 10% of the prediction"),
+            "measured": {"ratios": [r["ratio_measured_to_predicted"] for r in rows]},
+            "pass": all(r["within"] for r in rows), "points": rows}
+
+
+def _noise_term(st: Setting, kernel, data) -> float:
+    """Eq. (18) with Q_m = covariance over client m's N sequences of u r^T at V_inf(M)."""
+    from linattn_theory.frozen import frozen_stage
+
+    v_inf = frozen_stage(st.problem, kernel, st.lr, st.local_steps).fixed_point
+    u = (data.sigma_hat @ (data.query @ kernel)[..., None])[..., 0]  # (C, N, d)
+    r = u @ v_inf - data.target  # (C, N, d_y)
+    g = np.einsum("cni,cna->cnai", u, r).reshape(u.shape[0], u.shape[1], -1)  # vec column-major
+    q = np.stack([np.cov(gc, rowvar=False).reshape(g.shape[-1], g.shape[-1]) for gc in g])
+    return noise_stationary_term(st.problem, kernel, st.lr, st.local_steps, st.batch_size,
+                                 gradient_covariance=q)
+
+
+def _check_p5(records) -> dict:
+    rows, valid, ratios = [], [], []
+    for label, rec in records.items():
+        m = rec["metrics"]
+        mean, _ = mean_se(m.final_error)
+        bound = np.asarray(rec["bound"])
+        ok = bound >= mean
+        valid.extend(ok.tolist())
+        best = int(np.argmin(mean))
+        ratios.append(float(bound[best] / mean[best]))
+        rows.append({"setting": label, "valid_all_T0": bool(ok.all()),
+                     "violations": int((~ok).sum()),
+                     "tightness_at_empirical_T0": float(bound[best] / mean[best]),
+                     "median_tightness": float(np.median(bound / mean)),
+                     "drift_bound_at_T": float(rec["bound_drift"][-1]),
+                     "measured_drift_at_T": float(mean_se(m.drift)[0][-1]),
+                     "measured_deviation_at_T": float(mean_se(m.kernel_deviation)[0][-1]),
+                     "drift_slope_S": float(rec["drift_slope"]),
+                     "mu_delta0": float(rec["mu_delta0"]),
+                     "regime": rec["recommendation"]["regime"]})
+    rate = float(np.mean(valid))
+    return {"criterion": ("stylized bound E_bound(T0) (eq. 27, regime chosen by recommend_warmup) "
+                          ">= sim mean R(T0) at every grid point and T0: validity rate must be 1; "
+                          "tightness = bound / measured at the empirical best T0"),
+            "measured": {"validity_rate": rate, "median_tightness": float(np.median(ratios)),
+                         "max_tightness": float(np.max(ratios))},
+            "pass": rate == 1.0, "points": rows}
+
+
+def _check_p6(grid, problems, records) -> dict:
+    rows = []
+    for zeta, k, lr in grid.p6_points:
+        merged = records[_setting(grid, problems, zeta, k, lr).label]
+        st = _setting(grid, problems, zeta, k, lr, parametrization="factored")
+        m = compute_metrics(simulate(st, list(range(grid.seeds))))
+        pop = population(replace(st, warmup_rounds=tuple(range(st.total_rounds + 1))))
+        mean = mean_se(m.final_error)[0]
+        mmean = mean_se(merged["metrics"].final_error)[0]
+        rows.append({"setting": st.label,
+                     "T0_population_merged": merged["population_fine"].best_warmup,
+                     "T0_population_factored": pop.best_warmup,
+                     "T0_empirical_merged": _argmin(mmean, st.warmup_rounds),
+                     "T0_empirical_factored": _argmin(mean, st.warmup_rounds),
+                     "max_abs_R_difference": float(np.max(np.abs(mean - mmean))),
+                     "R_min_merged": float(mmean.min()), "R_min_factored": float(mean.min())})
+    return {"criterion": "report only: T0* and R(T0) of factored vs merged (same problem, K, eta)",
+            "measured": {"T0_shift_factor_population": [
+                _ratio(r["T0_population_factored"], r["T0_population_merged"]) for r in rows]},
+            "pass": None, "points": rows}
+
+
+def run_validation(grid: Grid | None = None, out_dir=None, quick: bool = False) -> dict:
+    """Run P1-P6 on ``grid`` (default :class:`Grid`, or ``Grid.quick()`` when ``quick``).
+
+    Returns a dict: ``grid``, ``checks`` (P1..P6: criterion, measured, pass, points),
+    ``settings`` (per setting curves) and ``timing``. With ``out_dir`` it also writes
+    ``validation.json``, ``validation.md`` and figures there (``simulations.report``).
+    """
+    grid = grid or (Grid.quick() if quick else Grid())
+    clock = time.perf_counter()
+    problems = _Problems(grid)
+    settings = _grid_settings(grid, problems)
+    results = simulate(settings, list(range(grid.seeds)))
+    sim_time = time.perf_counter() - clock
+    records = {}
+    for st, res in zip(settings, results):
+        star = phi_star(st.problem)
+        fine = population(replace(st, warmup_rounds=tuple(range(st.total_rounds + 1))), star)
+        consts = estimate_constants(st.problem, st.lr, st.local_steps, st.total_rounds,
+                                    start=st.start(), phi_star=star)
+        rec = recommend_warmup(consts.warmup_constants())
+        curves = stylized_bound(rec.constants, st.warmup_rounds, rec.regime)
+        records[st.label] = {"setting": st, "metrics": compute_metrics(res, star),
+                             "population": population(st, star), "population_fine": fine,
+                             "recommendation": rec.to_dict(), "bound": curves.total.tolist(),
+                             "bound_drift": curves.drift.tolist(),
+                             "drift_slope": rec.constants.drift_slope,
+                             "mu_delta0": rec.constants.pl_constant * rec.constants.delta0}
+    checks = {"P1": _check_p1(grid, problems, records)}
+    checks["P2"], checks["P3"] = _check_p2_p3(grid, records)
+    checks["P4"] = _check_p4(grid, problems)
+    checks["P5"] = _check_p5(records)
+    checks["P6"] = _check_p6(grid, problems, records)
+    out = {"grid": asdict(grid), "checks": checks,
+           "settings": {k: _setting_summary(v) for k, v in records.items()},
+           "timing": {"grid_simulation_s": sim_time,
+                      "total_s": time.perf_counter() - clock}}
+    if out_dir is not None:
+        from simulations.report import write_validation
+
+        write_validation(out, out_dir)
+    return out
+
+
+def _setting_summary(rec) -> dict:
+    m, pop = rec["metrics"], rec["population"]
+    mean, se = mean_se(m.final_error)
+    return {"warmup_rounds": m.warmup_rounds.tolist(), "R_sim_mean": mean.tolist(),
+            "R_sim_se": se.tolist(), "R_population": pop.final_error.tolist(),
+            "bias_sim": mean_se(m.bias)[0].tolist(), "bias_population": pop.bias.tolist(),
+            "drift_sim": mean_se(m.drift)[0].tolist(), "drift_population": pop.drift.tolist(),
+            "bound": rec["bound"], "recommendation": rec["recommendation"],
+            "gradient_jump_mean": float(np.mean(m.gradient_jump)),
+            "phi_star": m.phi_star}
