@@ -21,6 +21,7 @@ ROUTES: dict[str, tuple[str, str]] = {
     "run": ("real_data.cli", "one federated run on real data from a YAML config"),
     "sweep": ("real_data.cli", "a grid of federated runs sharing data and warm-up checkpoints"),
     "bench": ("real_data.cli", "engine benchmark: vectorized vs sequential"),
+    "pretrain": ("real_data.cli", "central pretraining on a source data set (FedSQ's S)"),
     "study": ("real_data.cli", "the real-data validation study from a plan file"),
     "reproduce": ("figures.cli", "the main job: theory + simulation checks, figures, report"),
     "figure": ("figures.cli", "draw one figure"),

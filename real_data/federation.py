@@ -73,9 +73,12 @@ def resolve_device(name: str) -> torch.device:
 class Federation:
     """One federated training setup (see module docstring)."""
 
-    def __init__(self, cfg: Config, dataset, partition, device: torch.device | None = None):
+    def __init__(self, cfg: Config, dataset, partition, device: torch.device | None = None,
+                 trainer=None):
         t = cfg.train
         self.cfg = cfg
+        # scale-out hook: trains the round elsewhere (real_data.distributed, real_data.flower)
+        self.trainer = trainer
         self.device = device or resolve_device(t.device)
         self.dtype = torch.float64 if t.precision == "fp64" else torch.float32
         use_bf16 = t.precision == "bf16" and self.device.type == "cuda"
@@ -98,7 +101,7 @@ class Federation:
         shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
         ctx = AlgorithmContext(self.groups, shapes, partition.num_clients, t.rounds,
                                t.clients_per_round or partition.num_clients, t.local_steps,
-                               self.optimizer)
+                               self.optimizer, seed=cfg.role_seed("training"))
         self.algorithm = get_algorithm(cfg.algorithm.name)(cfg.algorithm.params, ctx)
         self.engine = get_engine(t.engine)
         self._flops: dict[tuple[str, ...], int] = {}
@@ -106,6 +109,7 @@ class Federation:
     # -- state --------------------------------------------------------------------------------
     def initial_state(self) -> FedState:
         params = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        params = self.algorithm.init_global_params(params)
         return FedState(0, params, self.algorithm.init_client_state(params),
                         self.algorithm.init_server_state(params))
 
@@ -120,32 +124,20 @@ class Federation:
         plan = algo.plan_round(rnd, state.server_state)
         w = self.sizes[ids]
         weights = (w / w.sum()).to(self.device)
-        batches = make_batches(self.partition.train, ids, cfg.role_seed("training"), rnd,
-                               t.batch_size, t.local_steps, t.local_epochs, self.device)
         bytes_down = BYTES_PER_NUMBER * algo.download_numel(plan, ids, state.server_state)
         bytes_up = BYTES_PER_NUMBER * algo.upload_numel(plan, ids, state.server_state)
-        # 2. local training on every sampled client
-        idx = torch.as_tensor(ids, device=self.device)
-        job = LocalJob(
-            model=self.model, algorithm=algo, global_params=state.global_params,
-            trainable=plan.trainable, batches=batches, x=self.x_train, y=self.y_train,
-            optimizer=self.optimizer, client_ids=ids,
-            dropout_seed=int(np.random.SeedSequence([cfg.role_seed("training"), rnd])
-                             .generate_state(1)[0]),
-            overrides=algo.client_start(ids, state.global_params, state.client_state,
-                                        state.server_state),
-            client_state={k: v[idx] for k, v in state.client_state.items()},
-            server_state=state.server_state, autocast=self.autocast)
-        if self.model.training != (self._dropout > 0):
-            self.model.train(self._dropout > 0)
-        results = self.engine(job)
-        self.model.eval()
+        # 2. local training on every sampled client (or on other processes: self.trainer)
+        if self.trainer is None:
+            results = self.train_clients(state, rnd, plan, ids)
+            agg_weights, dispersion = weights, None
+        else:  # -> (results, weights for server_update, (dispersion, norm) or None)
+            results, agg_weights, dispersion = self.trainer(self, state, rnd, plan, ids, weights)
         _check_finite(rnd, ids, results.objective, results.params)
         # 3. client state, then the server update
         algo.update_client_state(rnd, ids, state.global_params, results, state.client_state,
                                  state.server_state)
-        new_params = algo.server_update(rnd, plan, ids, state.global_params, results, weights,
-                                        state.server_state)
+        new_params = algo.server_update(rnd, plan, ids, state.global_params, results,
+                                        agg_weights, state.server_state)
         _check_finite(rnd, ids, None, {n: new_params[n] for n in plan.upload})
         # 4. diagnostics of the round
         p = weights.double()
@@ -154,11 +146,12 @@ class Federation:
             "local_objective": float((p * results.objective.to(p.device)).sum()),
             "bytes_up": float(bytes_up),
             "bytes_down": float(bytes_down),
-            "train_flops": float(int(results.steps.sum()) * self._step_flops(plan.trainable)),
+            "train_flops": float(int(results.steps.sum())
+                                 * self._step_flops(plan.trainable, plan.stage)),
             "trainable_params": float(sum(new_params[n].numel() for n in plan.trainable)),
             "qk_change": relative_change(state.global_params, new_params, self.qk_names),
         }
-        g["update_dispersion"], g["update_norm"] = update_dispersion(
+        g["update_dispersion"], g["update_norm"] = dispersion or update_dispersion(
             state.global_params, results.params, weights)
         g["update_dispersion_rel"] = g["update_dispersion"] / max(g["update_norm"], 1e-300)
         if state.prev_grad_norm_last is not None:
@@ -178,6 +171,28 @@ class Federation:
         records += [(rnd, "global", k, v) for k, v in sorted(g.items())]
         return new_state, records
 
+    def train_clients(self, state: FedState, rnd: int, plan, ids: np.ndarray):
+        """Local training of the clients ``ids`` in round ``rnd`` here (-> ClientResults)."""
+        cfg, algo, t = self.cfg, self.algorithm, self.cfg.train
+        batches = make_batches(self.partition.train, ids, cfg.role_seed("training"), rnd,
+                               t.batch_size, t.local_steps, t.local_epochs, self.device)
+        idx = torch.as_tensor(ids, device=self.device)
+        job = LocalJob(
+            model=self.model, algorithm=algo, global_params=state.global_params,
+            trainable=plan.trainable, batches=batches, x=self.x_train, y=self.y_train,
+            optimizer=self.optimizer, client_ids=ids,
+            dropout_seed=int(np.random.SeedSequence([cfg.role_seed("training"), rnd])
+                             .generate_state(1)[0]),
+            overrides=algo.client_start(ids, state.global_params, state.client_state,
+                                        state.server_state),
+            client_state={k: v[idx] for k, v in state.client_state.items()},
+            server_state=state.server_state, autocast=self.autocast)
+        if self.model.training != (self._dropout > 0):
+            self.model.train(self._dropout > 0)
+        results = self.engine(job)
+        self.model.eval()
+        return results
+
     @property
     def _dropout(self) -> float:
         return float(getattr(self.cfg.model.params, "dropout", 0.0))
@@ -195,6 +210,7 @@ class Federation:
         per_client: dict[int, float] = {}
         if self.cfg.eval.clients:
             hit_np = hit.cpu().numpy()
+            sizes = np.array([len(ix) for ix in self.partition.test], dtype=np.float64)
             for m, test_idx in enumerate(self.partition.test):
                 own = algo.eval_params(m, state.global_params, state.client_state,
                                        state.server_state)
@@ -205,18 +221,23 @@ class Federation:
                     _, h = evaluate(fwd(own), self.x_test[ix], self.y_test[ix], bs,
                                     self.autocast)
                     per_client[m] = float(h.mean())
-            out.update(local_summary(np.array(list(per_client.values()))))
+            acc = np.array(list(per_client.values()))
+            out.update(local_summary(acc))
+            # micro average: correct predictions over all local test samples (FedTP's metric)
+            out["local_acc_micro"] = float((acc * sizes).sum() / max(sizes.sum(), 1.0))
         return out, per_client
 
-    def _step_flops(self, trainable: tuple[str, ...]) -> int:
-        if trainable not in self._flops:
+    def _step_flops(self, trainable: tuple[str, ...], stage: str = "full") -> int:
+        # keyed by stage too: an algorithm may change its forward between stages (FedSQ)
+        key = (stage, *trainable)
+        if key not in self._flops:
             b = self.cfg.train.batch_size
             ix = torch.arange(min(b, len(self.x_train)), device=self.device)
             params = {n: p.detach() for n, p in self.model.named_parameters()}
-            self._flops[trainable] = step_flops(
+            self._flops[key] = step_flops(
                 lambda ps, xb: self.algorithm.forward(self.model, ps, xb), params, trainable,
                 self.x_train[ix], self.y_train[ix])
-        return self._flops[trainable]
+        return self._flops[key]
 
 
 def _check_finite(rnd, ids, objective, params) -> None:

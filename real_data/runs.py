@@ -94,7 +94,8 @@ def _fresh_dir(base: Path) -> Path:
 
 
 def start_run(cfg: Config, out: Path | None = None, dataset=None, partition=None,
-              snapshot_rounds: tuple[int, ...] = (), branch: Path | None = None) -> RunResult:
+              snapshot_rounds: tuple[int, ...] = (), branch: Path | None = None,
+              trainer=None) -> RunResult:
     """Check everything, create the run directory, and train.
 
     Parameters
@@ -108,11 +109,14 @@ def start_run(cfg: Config, out: Path | None = None, dataset=None, partition=None
         Rounds whose state is kept as ``checkpoints/round_<t>.pt`` (T0 branching).
     branch : Path, optional
         Start from this checkpoint and copy the source run's metrics up to its round.
+    trainer : optional
+        Where each round's clients train (:class:`~real_data.federation.Federation`'s hook:
+        ``real_data.distributed``, ``real_data.flower``); default this process.
     """
     dataset = load_data(cfg) if dataset is None else dataset
     partition = make_partition_for(cfg, dataset) if partition is None else partition
     cfg = resolve(cfg, dataset)
-    fed = Federation(cfg, dataset, partition)
+    fed = Federation(cfg, dataset, partition, trainer=trainer)
     _check_output_options(cfg)
     run_dir = out or _fresh_dir(Path(cfg.run.out_dir) / run_name(cfg, fed))
     if run_dir.exists():
@@ -135,8 +139,11 @@ def start_run(cfg: Config, out: Path | None = None, dataset=None, partition=None
     return _train(fed, state, run_dir, elapsed, snapshot_rounds)
 
 
-def resume_run(run_dir: Path) -> RunResult:
-    """Continue a run from ``checkpoints/last.pt`` (or from the start if there is none)."""
+def resume_run(run_dir: Path, trainer=None) -> RunResult:
+    """Continue a run from ``checkpoints/last.pt`` (or from the start if there is none).
+
+    ``trainer``: as in :func:`start_run`.
+    """
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").exists():
         raise UserError(f"{run_dir} is not a run directory (no config.yaml)")
@@ -147,7 +154,7 @@ def resume_run(run_dir: Path) -> RunResult:
     from real_data.data import load_partition
 
     partition = load_partition(run_dir / "partition.npz")
-    fed = Federation(cfg, dataset, partition)
+    fed = Federation(cfg, dataset, partition, trainer=trainer)
     ckpt = run_dir / "checkpoints" / "last.pt"
     state, elapsed = fed.initial_state(), 0.0
     if ckpt.exists():

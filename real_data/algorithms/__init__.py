@@ -5,12 +5,15 @@ from __future__ import annotations
 from real_data.algorithms.base import Algorithm, AlgorithmContext, RoundPlan, weighted_average
 from real_data.algorithms.fedavg import FedAvg, FedAvgParams
 from real_data.algorithms.fedfrozen import FedFrozen, FedFrozenParams
+from real_data.algorithms.fedpart import FedPart, FedPartParams
 from real_data.algorithms.fedprox import FedProx, FedProxParams
+from real_data.algorithms.fedsq import FedSQ, FedSQParams
+from real_data.algorithms.fedtp import FedTP, FedTPParams
 from real_data.algorithms.scaffold import Scaffold, ScaffoldParams
 from real_data.errors import ConfigError
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
-    cls.name: cls for cls in (FedAvg, FedProx, Scaffold, FedFrozen)
+    cls.name: cls for cls in (FedAvg, FedProx, Scaffold, FedFrozen, FedPart, FedTP, FedSQ)
 }
 
 __all__ = [
@@ -21,8 +24,14 @@ __all__ = [
     "FedAvgParams",
     "FedFrozen",
     "FedFrozenParams",
+    "FedPart",
+    "FedPartParams",
     "FedProx",
     "FedProxParams",
+    "FedSQ",
+    "FedSQParams",
+    "FedTP",
+    "FedTPParams",
     "RoundPlan",
     "Scaffold",
     "ScaffoldParams",

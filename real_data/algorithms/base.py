@@ -71,6 +71,9 @@ class AlgorithmContext:
     local_steps : int or None
         K (``None`` when training by epochs).
     optimizer : OptimizerSpec
+    seed : int
+        Seed for randomness the algorithm owns (a hypernetwork's initial weights); the run
+        passes its training seed.
     """
 
     groups: tuple[ParamGroup, ...]
@@ -80,6 +83,7 @@ class AlgorithmContext:
     clients_per_round: int
     local_steps: int | None
     optimizer: OptimizerSpec
+    seed: int = 0
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -101,6 +105,16 @@ class Algorithm:
         self.ctx = ctx
 
     # -- state ------------------------------------------------------------------------------
+    def init_global_params(
+        self, global_params: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """The global model before round 1; default the model's own initialization.
+
+        Called before :meth:`init_server_state` and :meth:`init_client_state`, so an
+        algorithm that starts from pretrained weights (FedSQ) replaces them here.
+        """
+        return global_params
+
     def init_server_state(self, global_params: dict[str, torch.Tensor]) -> dict:
         """Server state before round 1 (tensors, numbers, modules); default none."""
         return {}

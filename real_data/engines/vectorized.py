@@ -1,4 +1,10 @@
-"""The vectorized engine: all of a round's clients in one ``vmap`` over stacked parameters.
+"""The vectorized engine: all of a round's clients at once, over stacked parameters.
+
+:func:`train_vectorized` takes the fast path of :mod:`real_data.engines.fast` (clients folded
+into batched kernels, one flat optimizer buffer, CUDA graphs, automatic chunking) whenever it
+applies: a ViT or CharTransformer without dropout and an algorithm with the default forward.
+Anything else runs :func:`train_vmap`, the general path described below; both compute the
+sequential engine's function, and the tests hold each to it.
 
 Trainable parameters are stacked on a leading client axis ``(C, ...)``; frozen parameters are
 passed once, unbatched (``in_dims=None``), so a round that freezes Q/K neither stores nor
@@ -14,12 +20,19 @@ import contextlib
 import torch
 from torch.func import grad, vmap
 
-from real_data.engines import optim
+from real_data.engines import fast, optim
 from real_data.engines.base import ClientResults, LocalJob, task_loss
 
 
 def train_vectorized(job: LocalJob) -> ClientResults:
     """Train the round's clients together; same semantics as the sequential engine."""
+    if fast.supports(job):
+        return fast.train_fast(job)
+    return train_vmap(job)
+
+
+def train_vmap(job: LocalJob) -> ClientResults:
+    """The general path: ``vmap(grad(objective))`` over stacked clients, any model/forward."""
     algo, spec, model = job.algorithm, job.optimizer, job.model
     device = job.x.device
     anchor = {n: job.global_params[n] for n in job.trainable}

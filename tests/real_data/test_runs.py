@@ -129,14 +129,14 @@ def test_run_directory_contents(tmp_path, stub_data):
     assert (Path(res.run_dir) / "checkpoints" / "last.pt").exists()
 
 
-def test_cli_routes_data_and_rejects_study(capsys, monkeypatch):
+def test_cli_routes_data_and_checks_study_plans(capsys, monkeypatch):
     from real_data import cli, data_cli
 
     seen = []
     monkeypatch.setattr(data_cli, "main", lambda argv: seen.append(argv) or 0)
     assert cli.main(["data", "list"]) == 0 and seen == [["data", "list"]]
-    assert linattn_main(["study"]) == 2
-    assert "not implemented" in capsys.readouterr().err
+    assert linattn_main(["study", "--plan", "no-such-plan"]) == 2
+    assert "no-such-plan" in capsys.readouterr().err
 
 
 def test_sweep_command_writes_an_index(tmp_path, stub_data, capsys):

@@ -1,0 +1,365 @@
+"""The fast vectorized path: stacked forward, one flat parameter buffer, CUDA graphs, chunks.
+
+Same semantics as the ``vmap`` path of :mod:`real_data.engines.vectorized` (and hence as the
+sequential reference), organised for a GPU:
+
+1. The forward pass is :func:`~real_data.engines.stacked.stacked_forward`: clients folded into
+   the batch, batched GEMMs, fused attention, frozen parameters shared (one GEMM for all).
+2. The gradient of ``sum_c objective_c`` with respect to the stacked trainable parameters is
+   every client's own gradient (clients share no trainable tensor), so one ``autograd.grad``
+   replaces ``vmap(grad(...))``.
+3. The trainable parameters of a chunk of clients live in one ``(Cc, P)`` buffer; the gradient
+   norm, clipping, weight decay and the SGD / Adam update are a handful of kernels over it.
+4. On CUDA one local step (minibatch gather, forward, backward, optimizer, loss accounting) is
+   captured once as a CUDA graph and replayed ``S`` times per chunk, so a step costs one launch
+   whatever the number of clients; the step index lives on the device.
+5. Clients run in chunks of at most ``Cc`` (padded to equal size, one graph); ``Cc`` comes from
+   a probe step of a few clients that measures memory per client, so any client count fits.
+
+Graphs are cached by everything they capture (model, trainable set, data tensors, shapes,
+optimizer, precision); :func:`clear_cache` releases them. A regularizer that returns a tensor
+(FedProx, SCAFFOLD) runs under ``vmap`` in the eager step, without a graph, since it may read
+server state that changes between rounds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch.func import vmap
+
+from real_data.engines.base import ClientResults, LocalJob
+from real_data.engines.stacked import stacked_forward
+from real_data.engines.stacked import supports as model_supported
+
+MEMORY_FRACTION = 0.6  # of the free device memory a chunk may take (probe-based)
+PROBE_CLIENTS = 8
+MAX_FOLDED_BATCH = 65535  # C B rows in one attention launch (CUDA grid limit)
+_CACHE: OrderedDict[tuple, _Runner] = OrderedDict()
+_CACHE_SIZE = 4
+_CHUNK: dict[tuple, int] = {}
+
+
+def supports(job: LocalJob) -> bool:
+    """True when the fast path computes the same function as the reference engines."""
+    forward = getattr(type(job.algorithm), "forward", None)
+    return model_supported(job.model) and getattr(forward, "__qualname__", "") == \
+        "Algorithm.forward"
+
+
+def clear_cache() -> None:
+    """Drop cached CUDA graphs, their buffers and the chunk-size probes."""
+    _CACHE.clear()
+    _CHUNK.clear()
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """What one round's runner depends on (its cache key without the chunk size)."""
+
+    trainable: tuple[str, ...]
+    shared: tuple[str, ...]
+    own: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    steps: int
+    batch: int
+    ragged: bool
+    regularizer: object  # a float constant, or "tensor"
+    spec: object
+    autocast: object
+    dtype: torch.dtype
+    data: tuple
+    model: int
+    graphs: bool
+    compile: bool
+
+
+def _regularizer_kind(job: LocalJob) -> object:
+    """The regularizer of client 0: a number (constant for all) or ``"tensor"``."""
+    anchor = {n: job.global_params[n] for n in job.trainable}
+    one = {n: job.start(n)[0] for n in job.trainable}
+    r = job.algorithm.regularizer(one, anchor, {k: v[0] for k, v in job.client_state.items()},
+                                  job.server_state)
+    return "tensor" if isinstance(r, torch.Tensor) else float(r)
+
+
+def _client_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``(C,)`` mean cross-entropy per client, in >= fp32 (as ``task_loss``)."""
+    c = logits.shape[0]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
+    return ce.reshape(c, -1).mean(1)
+
+
+class _Runner:
+    """Static buffers, the local step and (on CUDA) its graph for a chunk of ``cc`` clients."""
+
+    def __init__(self, job: LocalJob, setup: _Setup, cc: int) -> None:
+        dev, dt = job.x.device, setup.dtype
+        self.job, self.setup, self.cc = job, setup, cc
+        self.model, self.x, self.y = job.model, job.x, job.y
+        self.numel = [int(torch.Size(s).numel()) for s in setup.shapes]
+        # 1. trainable parameters: one (Cc, P) buffer; each parameter a leaf view into it
+        self.flat = torch.zeros(cc, sum(self.numel), dtype=dt, device=dev)
+        self.views = dict(zip(setup.trainable, self._split(self.flat)))
+        self.leaves = {n: v.detach().requires_grad_(True) for n, v in self.views.items()}
+        spec = setup.spec
+        self.m = torch.zeros_like(self.flat) if spec.name == "adam" or spec.momentum else None
+        self.v = torch.zeros_like(self.flat) if spec.name == "adam" else None
+        # 2. frozen parameters: shared (one copy) or the clients' own (stacked) values
+        self.shared = {n: job.global_params[n].clone() for n in setup.shared}
+        self.own = {n: job.overrides[n][:1].expand(cc, *job.overrides[n].shape[1:]).clone()
+                    for n in setup.own}
+        self.cstate = {k: v[:1].expand(cc, *v.shape[1:]).clone()
+                       for k, v in job.client_state.items()}
+        self.stacked = frozenset(setup.trainable) | frozenset(setup.own)
+        # 3. the round's minibatch plan and the step counter live on the device
+        self.idx = torch.zeros(cc, setup.steps, setup.batch, dtype=torch.int64, device=dev)
+        self.active = torch.ones(cc, setup.steps, dtype=torch.bool, device=dev)
+        self.s = torch.zeros((), dtype=torch.int64, device=dev)
+        self.count = torch.zeros(cc, dtype=torch.int64, device=dev)
+        self.acc = {k: torch.zeros(cc, dtype=torch.float64, device=dev)
+                    for k in ("loss", "obj", "first", "gfirst", "glast")}
+        self.loss_fn = torch.compile(self._loss, dynamic=False) if setup.compile else self._loss
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.eager = False
+
+    def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        parts = flat.split(self.numel, dim=1)
+        return [p.view(flat.shape[0], *s) for p, s in zip(parts, self.setup.shapes)]
+
+    # -- per chunk ----------------------------------------------------------------------------
+    def load(self, job: LocalJob, rows: torch.Tensor) -> None:
+        """Start values, optimizer state, batches and accumulators of the clients ``rows``."""
+        for n, view in self.views.items():
+            view.copy_(job.start(n)[rows])
+        for n, t in self.shared.items():
+            t.copy_(job.global_params[n])
+        for n, t in self.own.items():
+            t.copy_(job.overrides[n][rows])
+        for k, t in self.cstate.items():
+            t.copy_(job.client_state[k][rows])
+        for t in (self.m, self.v):
+            if t is not None:
+                t.zero_()
+        self.idx.copy_(job.batches.idx[rows])
+        self.active.copy_(job.batches.active[rows])
+        for t in (self.s, self.count, *self.acc.values()):
+            t.zero_()
+
+    def run(self, job: LocalJob, rows: torch.Tensor, steps: int) -> None:
+        """Load the clients ``rows`` and take ``steps`` local steps (graph replays on CUDA)."""
+        self.job = job
+        self.load(job, rows)
+        if self.setup.graphs and self.graph is None and not self.eager:
+            try:
+                self._capture()
+            except RuntimeError as exc:  # an op that cannot be captured: step eagerly
+                warnings.warn(f"CUDA graph capture failed, stepping eagerly: {exc}",
+                              stacklevel=2)
+                self.graph, self.eager = None, True
+                torch.cuda.synchronize()
+            self.load(job, rows)  # the warm-up steps changed the buffers
+        for _ in range(steps):
+            if self.graph is not None:
+                self.graph.replay()
+            else:
+                self.step()
+
+    def _capture(self) -> None:
+        """Warm up on a side stream (allocator, cuBLAS, compilation), then capture one step."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                self.step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.step()
+
+    # -- one local step for every client of the chunk ------------------------------------------
+    def _loss(self, leaves: dict, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        ac = self.setup.autocast
+        ctx = (torch.autocast(xb.device.type, dtype=ac, cache_enabled=False) if ac
+               else contextlib.nullcontext())
+        with ctx:
+            logits = stacked_forward(self.model, {**self.shared, **self.own, **leaves},
+                                     self.stacked, xb)
+        return _client_loss(logits, yb)
+
+    def step(self) -> None:
+        setup, spec, cc = self.setup, self.setup.spec, self.cc
+        # 1. this step's minibatches (C, B, ...) and activity, from the device-side counter
+        idx = self.idx.index_select(1, self.s.reshape(1)).squeeze(1)  # (Cc, B)
+        on = self.active.index_select(1, self.s.reshape(1)).squeeze(1)  # (Cc,)
+        first = self.s == 0
+        # 2. every client's objective; one backward gives every client's own gradient
+        data = self.loss_fn(self.leaves, self.x[idx], self.y[idx])
+        if setup.regularizer == "tensor":
+            job = self.job
+            anchor = {n: job.global_params[n] for n in setup.trainable}
+            reg = vmap(lambda tr, cs: job.algorithm.regularizer(tr, anchor, cs, job.server_state))
+            obj = data + reg(self.leaves, self.cstate)
+        else:
+            obj = data + setup.regularizer
+        grads = torch.autograd.grad(obj.sum(), list(self.leaves.values()))
+        g = torch.cat([t.reshape(cc, -1) for t in grads], dim=1)  # (Cc, P)
+        # 3. norm before clipping, clipping, weight decay, optimizer update (flat buffers)
+        norms = torch.linalg.vector_norm(g, dim=1).double()
+        if spec.clip_grad_norm is not None:
+            coef = (spec.clip_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+            g.mul_(coef.to(g.dtype).unsqueeze(1))
+        if spec.weight_decay:
+            g.add_(self.flat, alpha=spec.weight_decay)
+        self.count.add_(on.long())
+        self._update(g, on.unsqueeze(1))
+        # 4. loss accounting (clients that finished early add nothing)
+        data, obj = data.detach().double(), obj.detach().double()
+        acc = self.acc
+        acc["loss"].add_(torch.where(on, data, 0.0))
+        acc["obj"].add_(torch.where(on, obj, 0.0))
+        acc["first"].copy_(torch.where(first, data, acc["first"]))
+        acc["gfirst"].copy_(torch.where(first, norms, acc["gfirst"]))
+        acc["glast"].copy_(torch.where(on, norms, acc["glast"]))
+        self.s.add_(1)
+
+    def _update(self, g: torch.Tensor, on: torch.Tensor) -> None:
+        """SGD (heavy ball) or Adam on the flat buffer; idle clients keep parameters and state.
+
+        The formulas are ``torch.optim``'s. The momentum buffer starts at zero, so its first
+        value ``0 * mu + g`` is ``g`` exactly, as SGD's clone of the first gradient.
+        """
+        spec, p = self.setup.spec, self.flat
+        if self.setup.ragged:  # new values first, then kept only for the active clients
+            def assign(dst: torch.Tensor, new: torch.Tensor) -> None:
+                dst.copy_(torch.where(on, new, dst))
+        else:
+            def assign(dst: torch.Tensor, new: torch.Tensor) -> None:
+                dst.copy_(new)
+        if spec.name == "sgd":
+            if spec.momentum:
+                if self.setup.ragged:
+                    assign(self.m, self.m.mul(spec.momentum).add(g))
+                else:
+                    self.m.mul_(spec.momentum).add_(g)
+                g = self.m
+            if self.setup.ragged:
+                assign(p, p.add(g, alpha=-spec.lr))
+            else:
+                p.add_(g, alpha=-spec.lr)
+            return
+        b1, b2 = spec.betas
+        assign(self.m, self.m.lerp(g, 1 - b1))
+        assign(self.v, self.v.mul(b2).addcmul(g, g, value=1 - b2))
+        t = self.count.double()
+        step_size = (spec.lr / (1 - b1**t)).to(p.dtype).unsqueeze(1)
+        bc2_sqrt = (1 - b2**t).sqrt().to(p.dtype).unsqueeze(1)
+        assign(p, p - step_size * self.m / (self.v.sqrt() / bc2_sqrt + spec.eps))
+
+
+def _setup(job: LocalJob, graphs: bool, compile: bool) -> _Setup:
+    fixed = [n for n in job.global_params if n not in job.trainable]
+    reg = _regularizer_kind(job)
+    dev = job.x.device
+    ragged = not bool(job.batches.active.all())
+    return _Setup(
+        trainable=tuple(job.trainable),
+        shared=tuple(n for n in fixed if n not in job.overrides),
+        own=tuple(n for n in fixed if n in job.overrides),
+        shapes=tuple(tuple(job.global_params[n].shape) for n in job.trainable),
+        steps=int(job.batches.idx.shape[1]), batch=int(job.batches.idx.shape[2]),
+        ragged=ragged, regularizer=reg, spec=job.optimizer, autocast=job.autocast,
+        dtype=job.global_params[job.trainable[0]].dtype,
+        data=(job.x.data_ptr(), tuple(job.x.shape), job.x.dtype, job.y.data_ptr(),
+              tuple(job.y.shape), str(dev), tuple(sorted(job.client_state))),
+        model=id(job.model),
+        graphs=graphs and dev.type == "cuda" and reg != "tensor",
+        compile=compile,
+    )
+
+
+def _max_chunk(job: LocalJob, setup: _Setup, clients: int) -> int:
+    """Largest chunk that fits: memory per client from one eager step of a few clients."""
+    cap = max(1, MAX_FOLDED_BATCH // setup.batch)
+    if job.x.device.type != "cuda":
+        return min(clients, cap)
+    if setup in _CHUNK:
+        return min(clients, _CHUNK[setup])
+    k = min(clients, PROBE_CLIENTS)
+    dev = job.x.device
+    torch.cuda.synchronize(dev)
+    before = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    probe = _Runner(job, replace(setup, graphs=False, compile=False), k)
+    probe.run(job, torch.arange(k, device=dev), 1)
+    torch.cuda.synchronize(dev)
+    per_client = (torch.cuda.max_memory_allocated(dev) - before) / k
+    del probe
+    free, _ = torch.cuda.mem_get_info(dev)
+    free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+    _CHUNK[setup] = max(1, min(cap, int(MEMORY_FRACTION * free / per_client)))
+    return min(clients, _CHUNK[setup])
+
+
+def _runner(job: LocalJob, setup: _Setup, cc: int) -> _Runner:
+    key = (setup, cc)
+    if not setup.graphs:
+        return _Runner(job, setup, cc)
+    if key in _CACHE:
+        _CACHE.move_to_end(key)
+        runner = _CACHE[key]
+        runner.job = job
+        return runner
+    while len(_CACHE) >= _CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    _CACHE[key] = runner = _Runner(job, setup, cc)
+    return runner
+
+
+def train_fast(job: LocalJob, graphs: bool = True, compile: bool = False) -> ClientResults:
+    """Train the round's clients with the fast path (see the module docstring).
+
+    Parameters
+    ----------
+    job : LocalJob
+        A job for which :func:`supports` is true.
+    graphs : bool
+        Capture and replay one local step as a CUDA graph (CUDA only).
+    compile : bool
+        ``torch.compile`` the stacked forward and loss (compiles once per chunk shape, which
+        takes tens of seconds; not measured yet, see docs/bench/NOTES.md).
+    """
+    setup = _setup(job, graphs, compile)
+    n_clients = len(job.client_ids)
+    dev = job.x.device
+    cc = _max_chunk(job, setup, n_clients)
+    n_chunks = -(-n_clients // cc)
+    cc = -(-n_clients // n_chunks)  # equal chunks: one graph; the last one padded
+    runner = _runner(job, setup, cc)
+    params = {n: torch.empty(n_clients, *s, dtype=setup.dtype, device=dev)
+              for n, s in zip(setup.trainable, setup.shapes)}
+    acc = {k: torch.empty(n_clients, dtype=torch.float64, device=dev) for k in runner.acc}
+    for a in range(0, n_clients, cc):
+        real = min(cc, n_clients - a)
+        rows = torch.arange(a, a + cc, device=dev).clamp(max=n_clients - 1)
+        runner.run(job, rows, setup.steps)
+        for n in setup.trainable:
+            params[n][a:a + real].copy_(runner.views[n][:real])
+        for k, t in runner.acc.items():
+            acc[k][a:a + real].copy_(t[:real])
+    steps = job.batches.steps.to(dev).double()
+    return ClientResults(
+        params=params,
+        data_loss=acc["loss"] / steps,
+        objective=acc["obj"] / steps,
+        first_loss=acc["first"],
+        grad_norm_first=acc["gfirst"],
+        grad_norm_last=acc["glast"],
+        steps=job.batches.steps.clone(),
+    )

@@ -1,0 +1,180 @@
+"""The models' forward pass for C clients at once, clients folded into the batch.
+
+:func:`stacked_forward` computes, for a ViT or a CharTransformer, exactly the function of
+``model.forward`` for every client, with each parameter either *stacked* ``(C, *shape)`` (one
+value per client) or *shared* ``(*shape)`` (one value for all, e.g. frozen Q/K). Instead of
+``vmap`` over a per-client model it calls batched kernels directly:
+
+- a stacked linear is one ``baddbmm`` over clients, ``(C, T, in) @ (C, in, out)`` with T = B N
+  tokens per client; q, k and v stacked together become one GEMM of width 3d;
+- a shared linear is one plain GEMM over all C T tokens (frozen Q/K cost one large GEMM);
+- softmax attention is ``scaled_dot_product_attention`` on ``(C B, h, N, d_h)``: it holds no
+  weights, so clients and samples fold into one batch and the fused (flash / memory-efficient)
+  kernels apply; linear attention is written out as in the model.
+
+The agreement tests (float64, CPU) hold this to the reference engine, which runs the models'
+own code, at 1e-6 relative; under bf16 autocast the two round differently (SDPA runs the
+softmax in bf16 inside the kernel, the model in fp32).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from real_data.models.char_transformer import CharTransformer
+from real_data.models.layers import _linear_feature_map
+from real_data.models.vit import ViT
+
+Params = dict[str, torch.Tensor]
+
+
+def supports(model: nn.Module) -> bool:
+    """True for the models this module mirrors, without dropout."""
+    if type(model) not in (ViT, CharTransformer):
+        return False
+    return float(getattr(model.cfg, "dropout", 0.0)) == 0.0 or not model.training
+
+
+class _Net:
+    """Parameter access for one call: ``p(name)`` and whether it has a client axis."""
+
+    def __init__(self, params: Params, stacked: frozenset[str], clients: int) -> None:
+        self.params, self.stacked, self.c = params, stacked, clients
+
+    def p(self, name: str) -> torch.Tensor:
+        return self.params[name]
+
+    def own(self, name: str) -> bool:
+        return name in self.stacked
+
+    # -- building blocks, x is (C, T, features) ----------------------------------------------
+    def linear(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
+        w, b = self.p(f"{prefix}.weight"), self.params.get(f"{prefix}.bias")
+        if not self.own(f"{prefix}.weight"):
+            if b is None or not self.own(f"{prefix}.bias"):
+                return F.linear(x, w, b)
+            return F.linear(x, w) + b.unsqueeze(1)
+        wt = w.transpose(1, 2)  # (C, in, out)
+        if b is None:
+            return torch.bmm(x, wt)
+        return torch.baddbmm(b.unsqueeze(1) if b.dim() == 2 else b, x, wt)
+
+    def linears(self, x: torch.Tensor, prefixes: list[str]) -> list[torch.Tensor]:
+        """Several linears of one input, those with stacked (or with shared) weights fused."""
+        out: dict[str, torch.Tensor] = {}
+        for own in (True, False):
+            grp = [q for q in prefixes if f"{q}.bias" in self.params
+                   and self.own(f"{q}.weight") == own and self.own(f"{q}.bias") == own]
+            if len(grp) < 2:
+                continue
+            dim = 1 if own else 0
+            w = torch.cat([self.p(f"{q}.weight") for q in grp], dim=dim)
+            b = torch.cat([self.p(f"{q}.bias") for q in grp], dim=dim)
+            y = torch.baddbmm(b.unsqueeze(1), x, w.transpose(1, 2)) if own else F.linear(x, w, b)
+            out.update(zip(grp, y.split([self.p(f"{q}.bias").shape[-1] for q in grp], -1)))
+        return [out[q] if q in out else self.linear(x, q) for q in prefixes]
+
+    def layer_norm(self, x: torch.Tensor, prefix: str, eps: float) -> torch.Tensor:
+        w, b = self.p(f"{prefix}.weight"), self.p(f"{prefix}.bias")
+        shape = (x.shape[-1],)
+        if not self.own(f"{prefix}.weight") and not self.own(f"{prefix}.bias"):
+            return F.layer_norm(x, shape, w, b, eps)
+        y = F.layer_norm(x, shape, None, None, eps)
+        w = w.unsqueeze(1) if self.own(f"{prefix}.weight") else w
+        b = b.unsqueeze(1) if self.own(f"{prefix}.bias") else b
+        return torch.addcmul(b, y, w)
+
+    def attention(self, x: torch.Tensor, prefix: str, mod, batch: int, n: int) -> torch.Tensor:
+        c, _, d = x.shape
+        h = mod.heads
+        q, k, v = self.linears(x, [f"{prefix}.q", f"{prefix}.k", f"{prefix}.v"])
+
+        def heads(t: torch.Tensor) -> torch.Tensor:  # (C, B N, D) -> (C B, h, N, D/h)
+            return t.reshape(c * batch, n, h, d // h).transpose(1, 2)
+
+        q, k, v = heads(q), heads(k), heads(v)
+        if mod.kind == "softmax":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=mod.causal)
+        else:
+            fq, fk = _linear_feature_map(q), _linear_feature_map(k)
+            if mod.causal:
+                a = fq @ fk.transpose(-2, -1)  # (C B, h, N, N), nonnegative
+                a = a * torch.ones(n, n, dtype=a.dtype, device=x.device).tril()
+                y = (a @ v) / (a.sum(-1, keepdim=True) + 1e-6)
+            else:
+                kv = fk.transpose(-2, -1) @ v  # (C B, h, D/h, D/h)
+                z = fq @ fk.sum(dim=-2, keepdim=True).transpose(-2, -1)  # (C B, h, N, 1)
+                y = (fq @ kv) / (z + 1e-6)
+        y = y.transpose(1, 2).reshape(c, batch * n, d)  # (C B, h, N, D/h) -> (C, B N, D)
+        return self.linear(y, f"{prefix}.out")
+
+    def block(self, x: torch.Tensor, i: int, blk, batch: int, n: int) -> torch.Tensor:
+        pre = f"blocks.{i}"
+        x = x + self.attention(self.layer_norm(x, f"{pre}.norm1", blk.norm1.eps), f"{pre}.attn",
+                               blk.attn, batch, n)
+        hid = self.linear(self.layer_norm(x, f"{pre}.norm2", blk.norm2.eps), f"{pre}.mlp.fc1")
+        hid = F.gelu(hid) if isinstance(blk.mlp.act, nn.GELU) else F.relu(hid)
+        return x + self.linear(hid, f"{pre}.mlp.fc2")
+
+    def per_client(self, name: str) -> torch.Tensor:
+        """A parameter with a leading client axis (a broadcasting view when shared)."""
+        t = self.p(name)
+        return t if self.own(name) else t.unsqueeze(0)
+
+
+def stacked_forward(model: nn.Module, params: Params, stacked: frozenset[str],
+                    x: torch.Tensor) -> torch.Tensor:
+    """Logits of every client on its own minibatch.
+
+    Parameters
+    ----------
+    model : ViT or CharTransformer
+        Only its structure and config are used.
+    params : dict
+        Every parameter: ``(C, *shape)`` if its name is in ``stacked``, else ``(*shape)``.
+    x : torch.Tensor
+        ``(C, B, channels, H, W)`` images or ``(C, B, L)`` character ids.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(C, B, num_classes)`` (ViT) or ``(C, B, L, vocab)`` (CharTransformer).
+    """
+    c, b = x.shape[:2]
+    net = _Net(params, stacked, c)
+    if isinstance(model, ViT):
+        cfg = model.cfg
+        _, _, ch, hh, ww = x.shape
+        p = cfg.patch
+        # (C, B, ch, H, W) -> (C B, H/p, W/p, ch, p, p) -> (C, B Np, ch p p)
+        t = x.reshape(c * b, ch, hh // p, p, ww // p, p).permute(0, 2, 4, 1, 3, 5)
+        n_patch = (hh // p) * (ww // p)
+        t = t.reshape(c, b * n_patch, ch * p * p)
+        t = net.linear(t, "patch_embed").reshape(c, b, n_patch, cfg.dim)  # (C, B, Np, D)
+        cls = net.per_client("cls").reshape(-1, 1, 1, cfg.dim).expand(c, b, 1, cfg.dim)
+        pos = net.per_client("pos")  # (C or 1, 1, N, D)
+        t = torch.cat([cls, t], dim=2) + pos  # (C, B, N, D); autocast promotes as the model
+        n = n_patch + 1
+        h = t.reshape(c, b * n, cfg.dim)
+    elif isinstance(model, CharTransformer):
+        n = x.shape[2]
+        tok = net.p("tok.weight")
+        if net.own("tok.weight"):  # (C, V, D): client c's ids offset by c V into (C V, D)
+            vocab = tok.shape[1]
+            off = torch.arange(c, device=x.device).reshape(c, 1, 1) * vocab
+            emb = F.embedding(x + off, tok.reshape(c * vocab, -1))
+        else:
+            emb = F.embedding(x, tok)
+        h = (emb + net.per_client("pos")[:, :, :n]).reshape(c, b * n, -1)  # (C, B L, D)
+    else:
+        raise TypeError(f"stacked_forward does not support {type(model).__name__}")
+    for i, blk in enumerate(model.blocks):
+        h = net.block(h, i, blk, b, n)
+    h = net.layer_norm(h, "norm", model.norm.eps)
+    if isinstance(model, ViT):
+        h = h.reshape(c, b, n, -1)
+        h = h[:, :, 0] if model.cfg.pool == "cls" else h[:, :, 1:].mean(dim=2)  # (C, B, D)
+        return net.linear(h, "head")
+    return net.linear(h, "head").reshape(c, b, n, -1)  # (C, B, L, V)

@@ -1,0 +1,3 @@
+from real_data.flower.simulation import main
+
+raise SystemExit(main())
