@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import tempfile
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
+
+import numpy as np
 
 CACHE_DIR = Path(__file__).resolve().parent / "out" / ".cache"
 _ROOT = Path(__file__).resolve().parent.parent
@@ -29,6 +32,36 @@ def code_fingerprint() -> str:
             digest.update(path.relative_to(_ROOT).as_posix().encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()
+
+
+def source_digest(*files) -> str:
+    """sha256[:16] of source files (a figure passes its own ``__file__``).
+
+    A figure puts this in the configuration of what it caches, so editing the code that
+    computes a cached result invalidates it.
+    """
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(Path(path).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def jsonable(x):
+    """``x`` with numpy arrays and scalars, tuples and non-str keys turned into JSON types.
+
+    Non-finite floats become None, as in the simulator's ``validation.json``.
+    """
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [jsonable(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return jsonable(x.tolist())
+    if isinstance(x, np.generic):
+        return jsonable(x.item())
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
 
 
 def config_hash(config: dict) -> str:

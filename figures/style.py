@@ -28,23 +28,39 @@ SERIES = [
 ]
 
 
-def series_style(i: int) -> dict:
-    color, ls, marker = SERIES[i % len(SERIES)]
-    return {"color": color, "linestyle": ls, "marker": marker}
+def series_style(i: int, marker: bool = True) -> dict:
+    """Colour, line style and (unless ``marker=False``) marker of series ``i``."""
+    color, ls, mark = SERIES[i % len(SERIES)]
+    style = {"color": color, "linestyle": ls}
+    if marker:
+        style["marker"] = mark
+    return style
 
 
-def new_figure(ncols: int = 1, width: float = 4.6, height: float = 3.4):
+def new_figure(ncols: int = 1, width: float = 4.6, height: float = 3.4, nrows: int = 1,
+               constrained: bool = False):
+    """A figure of ``nrows`` x ``ncols`` panels, each ``width`` x ``height`` inches.
+
+    Returns ``(fig, axes)``: axes is 1-D (one row) when ``nrows == 1``, else 2-D. With
+    ``constrained`` matplotlib's constrained layout places the panels (then save with
+    ``tight=False``).
+    """
     plt.rcParams.update({"font.size": 9, "axes.grid": True, "grid.color": "0.9",
                          "legend.frameon": False, "savefig.dpi": 150})
-    fig, axes = plt.subplots(1, ncols, figsize=(width * ncols, height), squeeze=False)
-    return fig, axes[0]
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows),
+                             squeeze=False, layout="constrained" if constrained else None)
+    return fig, (axes[0] if nrows == 1 else axes)
 
 
-def save(fig, name: str, out_dir: Path | None = None) -> list[Path]:
-    """Write ``name.png`` and ``name.pdf`` into ``out_dir`` (default figures/out/) atomically."""
+def save(fig, name: str, out_dir: Path | None = None, tight: bool = True) -> list[Path]:
+    """Write ``name.png`` and ``name.pdf`` into ``out_dir`` (default figures/out/) atomically.
+
+    ``tight=False`` skips ``tight_layout`` (figures with a colour bar spanning panels).
+    """
     out = Path(out_dir) if out_dir is not None else OUT_DIR
     out.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
+    if tight:
+        fig.tight_layout()
     paths = []
     for ext in ("png", "pdf"):
         target = out / f"{name}.{ext}"

@@ -1,0 +1,136 @@
+"""``linattn reproduce`` (the main job) and ``linattn figure N``.
+
+    linattn reproduce [--quick] [--out DIR] [--real-data RUNS_DIR] [--threads N] [--cache DIR]
+    linattn figure N [--quick] [--out DIR] [--real-data RUNS_DIR] [--threads N] [--cache DIR]
+
+``reproduce`` runs the theory and simulation checks P1-P6 (``simulations.validate``), draws
+figures 1-6 and 8 (and 7 with ``--real-data``) into DIR (default figures/out/) and writes
+DIR/report.md with every prediction, its criterion, the numbers and PASS or FAIL. Intermediate
+results are cached in DIR/.cache, so a second call redraws in seconds. It needs no GPU and no
+download. The router (``linattn/cli.py``) passes argv with argv[0] the subcommand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import time
+from pathlib import Path
+
+from figures.common import FigureError
+
+MODULES = {1: "fig1_bias_drift", 2: "fig2_final_error", 3: "fig3_optimal_warmup",
+           4: "fig4_frozen_floor", 5: "fig5_bound", 6: "fig6_gradient_jumps",
+           7: "fig7_real_data", 8: "fig8_partitions"}
+SIMULATED = (1, 2, 3, 4, 5, 6)  # the figures drawn from the validation result
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one path for user errors: exit status 2 via the router
+        raise FigureError(message)
+
+
+def _parser(command: str) -> argparse.ArgumentParser:
+    top = _Parser(prog=f"linattn {command}", description=__doc__,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    if command == "figure":
+        top.add_argument("number", type=int, choices=sorted(MODULES), help="figure number")
+    top.add_argument("--quick", action="store_true",
+                     help="smoke version on Grid.quick() (about a minute)")
+    top.add_argument("--out", type=Path, default=None, help="output folder (default figures/out)")
+    top.add_argument("--real-data", type=Path, default=None, metavar="RUNS_DIR",
+                     help="folder of real-data run directories (a study's out_dir): figure 7")
+    top.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    top.add_argument("--cache", type=Path, default=None, help="cache folder (default OUT/.cache)")
+    return top
+
+
+def _draw(number: int, result, grid, out_dir, cache_dir, real_data):
+    module = importlib.import_module(f"figures.{MODULES[number]}")
+    if number == 7:
+        return module.make(real_data, out_dir)
+    if number == 8:
+        return module.make(out_dir)
+    return module.make(result, grid, out_dir, cache_dir)
+
+
+def reproduce(args, command: str) -> int:
+    from figures.common import cache_dir_for, grid_for, set_threads, validation
+    from figures.report import write_report
+    from figures.style import OUT_DIR
+
+    wall, cpu = time.perf_counter(), time.process_time()
+    load_start = os.getloadavg()[0]
+    if args.real_data is not None:  # a bad folder fails now, not after the simulations
+        from figures.fig7_real_data import find_runs
+
+        find_runs(args.real_data)
+    set_threads(args.threads)
+    out_dir = Path(args.out) if args.out is not None else OUT_DIR
+    cache_dir = cache_dir_for(out_dir, args.cache)
+    grid = grid_for(args.quick)
+    steps = []
+
+    def step(name, fn):
+        clock = time.perf_counter()
+        value = fn()
+        steps.append({"name": name, "seconds": time.perf_counter() - clock})
+        return value
+
+    print(f"validation (P1-P6) on the {'quick' if args.quick else 'default'} grid ...",
+          flush=True)
+    result, hit, _ = step("theory and simulation checks P1-P6 (run_validation) + "
+                          "validation.json", lambda: validation(grid, out_dir, cache_dir))
+    steps[-1]["cache"] = "yes" if hit else "no"
+    print(f"  {steps[-1]['seconds']:.1f} s ({'cached' if hit else 'computed'})", flush=True)
+    numbers = [*SIMULATED, 8] + ([7] if args.real_data is not None else [])
+    figures = []
+    for number in numbers:
+        fig = step(f"figure {number} ({MODULES[number]})",
+                   lambda n=number: _draw(n, result, grid, out_dir, cache_dir, args.real_data))
+        steps[-1]["cache"] = (", ".join(f"{k}: {'yes' if v else 'no'}"
+                                        for k, v in fig.cache_hits.items()) or "-")
+        figures.append(fig)
+        print(f"  figure {number}: {steps[-1]['seconds']:.1f} s -> {fig.paths[0]}", flush=True)
+    timing = {"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu,
+              "load_average": {"start": load_start, "end": os.getloadavg()[0]},
+              "steps": steps, "cache_dir": str(cache_dir)}
+    path = write_report(out_dir, result, grid, figures, timing, args.quick, command)
+    checks = result["checks"]
+    print("  ".join(f"{k}: {({True: 'PASS', False: 'FAIL', None: 'report'})[c['pass']]}"
+                    for k, c in checks.items()))
+    print(f"wrote {path} (wall {timing['wall_s']:.1f} s, CPU {timing['cpu_s']:.1f} s)")
+    return 0
+
+
+def figure(args) -> int:
+    from figures.common import cache_dir_for, grid_for, set_threads, validation
+
+    if args.number == 7 and args.real_data is None:
+        raise FigureError("figure 7 reads run directories: give --real-data RUNS_DIR")
+    set_threads(args.threads)
+    grid = grid_for(args.quick)
+    cache_dir = cache_dir_for(args.out, args.cache)
+    result = None
+    if args.number in SIMULATED:
+        result, _, _ = validation(grid, args.out, cache_dir, write=False)
+    fig = _draw(args.number, result, grid, args.out, cache_dir, args.real_data)
+    print("\n".join(str(p) for p in fig.paths))
+    print(fig.caption)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv[0] if argv and argv[0] in ("reproduce", "figure") else "reproduce"
+    if argv and argv[0] == command:
+        argv = argv[1:]
+    args = _parser(command).parse_args(argv)
+    line = " ".join(["linattn", command, *argv])
+    return reproduce(args, line) if command == "reproduce" else figure(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,70 @@
+"""Checks and tiny inputs shared by the figure tests (images, synthetic real-data runs)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def assert_image_files(paths) -> None:
+    """Each path exists and is a non-empty PNG (signature, > 1 kB) or PDF (header)."""
+    paths = [Path(p) for p in paths]
+    assert {p.suffix for p in paths} == {".png", ".pdf"}
+    for p in paths:
+        data = p.read_bytes()
+        assert len(data) > 1024, f"{p} is only {len(data)} bytes"
+        if p.suffix == ".png":
+            assert data.startswith(PNG), f"{p} is not a PNG"
+        else:
+            assert data.startswith(b"%PDF-"), f"{p} is not a PDF"
+
+
+def write_run(folder: Path, algorithm: dict, rounds: int, accuracy, seed: int,
+              partition: dict | None = None, summary_extra: dict | None = None) -> None:
+    """A tiny real-data run directory in the runner's format (config, metrics, summary)."""
+    from real_data.rundir import HEADER
+
+    folder.mkdir(parents=True)
+    config = {"name": "digits_vit", "seed": seed, "data": {"name": "digits"},
+              "partition": partition or {"scheme": "dirichlet", "num_clients": 10,
+                                         "alpha": 0.3},
+              "algorithm": algorithm, "train": {"rounds": rounds}}
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    rows = []
+    for rnd in range(1, rounds + 1):
+        acc = accuracy(rnd) + 0.01 * seed
+        rows += [(rnd, "global", "test_acc", acc), (rnd, "global", "local_acc_worst10", acc / 2),
+                 (rnd, "global", "update_dispersion_rel", 1.0 + 0.1 * rnd),
+                 (rnd, "global", "bytes_up", 1000.0), (rnd, 0, "local_test_acc", acc)]
+        if rnd > 1:
+            rows.append((rnd, "global", "grad_norm_jump", 1.0 + 0.05 * rnd + 0.01 * seed))
+    (folder / "metrics.csv").write_text(HEADER + "".join(f"{r},{c},{m},{v!r}\n"
+                                                         for r, c, m, v in rows))
+    summary = {"status": "completed", "rounds_completed": rounds, **(summary_extra or {})}
+    (folder / "summary.json").write_text(json.dumps(summary))
+
+
+def make_study(root: Path, rounds: int = 6) -> Path:
+    """A study layout: fedavg, a FedFrozen T0 sweep, an auto-T0 run and a reference."""
+    for seed in (0, 1):
+        tail = f"alpha=0.3/seed={seed}"
+        write_run(root / "digits" / "fedavg" / tail, {"name": "fedavg"}, rounds,
+                  lambda r: 0.1 * r, seed)
+        for t0 in (0, 2, 4, 6):
+            write_run(root / "digits" / f"fedfrozen_v-T0={t0}" / tail,
+                      {"name": "fedfrozen", "warmup": "fixed", "warmup_rounds": t0,
+                       "train": "v"}, rounds, lambda r, t0=t0: 0.1 * r - 0.01 * (t0 - 4) ** 2,
+                      seed)
+        write_run(root / "digits" / "fedfrozen_auto" / tail,
+                  {"name": "fedfrozen", "warmup": "auto", "warmup_rounds": None, "train": "v"},
+                  rounds, lambda r: 0.09 * r, seed, summary_extra={"warmup": {"warmup_rounds": 3}})
+        write_run(root / "digits" / "reference" / tail, {"name": "fedavg"}, rounds,
+                  lambda r: 0.12 * r, seed, partition={"scheme": "iid", "num_clients": 1})
+    # an unfinished run is skipped, not drawn
+    write_run(root / "digits" / "fedprox" / "alpha=0.3/seed=0", {"name": "fedprox"}, rounds,
+              lambda r: 0.1 * r, 0, summary_extra={"status": "running"})
+    return root
