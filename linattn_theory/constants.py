@@ -115,6 +115,43 @@ def hessian_spectrum(problem: Problem, kernel: np.ndarray, value: np.ndarray,
     return float(np.max(np.abs(eig))), float(np.max(eig))
 
 
+def hessian_power(problem: Problem, kernel: np.ndarray, value: np.ndarray, iterations: int = 20,
+                  step: float = 1e-5, seed: int = 0) -> tuple[float, float]:
+    """(largest |eigenvalue|, largest eigenvalue) of the Hessian of F by power iteration.
+
+    Central-difference Hessian-vector products of the closed-form gradient; the largest
+    eigenvalue comes from a second power iteration on H + L I (all its eigenvalues >= 0).
+    Cheaper than :func:`hessian_spectrum` (4 * iterations gradient calls), and a lower estimate.
+    """
+    d, dy = problem.dim, problem.out_dim
+
+    def hvp(x0, v):
+        def grad(x):
+            gm, gv = global_gradient(problem, x[: d * d].reshape(d, d),
+                                     x[d * d:].reshape(d, dy))
+            return np.concatenate([gm.ravel(), gv.ravel()])
+
+        return (grad(x0 + step * v) - grad(x0 - step * v)) / (2 * step)
+
+    x0 = np.concatenate([kernel.ravel(), value.ravel()])
+    rng = np.random.default_rng(seed)
+
+    def power(shift):
+        v = rng.standard_normal(x0.size)
+        v /= np.linalg.norm(v)
+        est = 0.0
+        for _ in range(iterations):
+            hv = hvp(x0, v) + shift * v
+            est = float(np.linalg.norm(hv))
+            if est == 0.0:
+                return 0.0
+            v = hv / est
+        return est
+
+    norm = power(0.0)
+    return norm, power(norm) - norm
+
+
 def profile_hessian_norm(problem: Problem, kernel: np.ndarray, iterations: int = 30,
                          step: float = 1e-5, seed: int = 0) -> float:
     """Largest |eigenvalue| of the Hessian of Phi at M (power iteration, eq. 11 differenced)."""
@@ -135,7 +172,7 @@ def profile_hessian_norm(problem: Problem, kernel: np.ndarray, iterations: int =
 def estimate_constants(problem: Problem, lr: float, local_steps: int, total_rounds: int,
                        start: InitialPoint | None = None, phi_star: float | None = None,
                        probe_rounds: int | None = None, points: int = 25,
-                       gap_floor: float = 1e-3) -> ProblemConstants:
+                       gap_floor: float = 1e-3, fast: bool = False) -> ProblemConstants:
     """Measure L, mu, zeta, G, Delta_0, D_0 and the frozen-stage constants (eq. 23).
 
     Parameters
@@ -153,12 +190,19 @@ def estimate_constants(problem: Problem, lr: float, local_steps: int, total_roun
         Number of path points at which the constants are evaluated (evenly spaced).
     gap_floor : float
         mu ignores points whose gap Phi - Phi* is below ``gap_floor * Delta_0``.
+    fast : bool
+        A probe, as for a real network: the path defaults to min(T, 20) rounds, 5 points,
+        Hessian norms by power iteration (:func:`hessian_power`, 20 and 15 iterations) at two
+        points, and Phi* from one L-BFGS start. About 50 ms for d = 16 and 20 clients.
     """
     start = initial_point(problem) if start is None else start
     solution = None
     if phi_star is None:
-        solution = solve_profile(problem)
+        solution = solve_profile(problem, restarts=1 if fast else 4)
         phi_star = solution.value
+    if fast:
+        probe_rounds = min(total_rounds, 20) if probe_rounds is None else probe_rounds
+        points = min(points, 5)
     rounds = int(total_rounds if probe_rounds is None else probe_rounds)
     kernels, values, ref_kernels = warmup_paths(problem, start, lr, local_steps, rounds)
     idx = np.unique(np.linspace(0, rounds, min(points, rounds + 1)).astype(int))
@@ -196,13 +240,18 @@ def estimate_constants(problem: Problem, lr: float, local_steps: int, total_roun
         fedavg, reference = one_round(problem, m, v, lr, local_steps)
         drift_errs.append(float(np.linalg.norm(fedavg[0] - reference[0])) / (lr * local_steps))
     top = 0.0
-    for i in np.unique(idx[[0, idx.size // 2, -1]]):
-        norm, largest = hessian_spectrum(problem, kernels[i], values[i])
+    hess_points = np.unique(idx[[0, -1]] if fast else idx[[0, idx.size // 2, -1]])
+    for i in hess_points:
+        if fast:
+            norm, largest = hessian_power(problem, kernels[i], values[i])
+        else:
+            norm, largest = hessian_spectrum(problem, kernels[i], values[i])
         smooth, top = max(smooth, norm), max(top, largest)
 
     profile_smooth = 0.0
-    for i in np.unique(idx[[0, idx.size // 2, -1]]):
-        profile_smooth = max(profile_smooth, profile_hessian_norm(problem, ref_kernels[i]))
+    for i in hess_points:
+        profile_smooth = max(profile_smooth, profile_hessian_norm(
+            problem, ref_kernels[i], iterations=15 if fast else 30))
     if solution is None:
         solution = solve_profile(problem, restarts=1)
     m_star = solution.kernel
