@@ -20,7 +20,7 @@ from linattn_theory.errors import ParameterError, require
 from linattn_theory.frozen import _check_steps, local_value_maps
 from linattn_theory.objectives import (
     factored_gradients,
-    global_loss,
+    global_losses,
     local_gradients,
     value_quadratic,
 )
@@ -150,7 +150,7 @@ def warmup_paths(problem: Problem, start: InitialPoint, lr: float, local_steps: 
     ref = tuple(x.copy() for x in state)
     doubled = _doubled(problem)
     kernels, values, ref_kernels = [_kernel(state)], [state[-1]], [_kernel(ref)]
-    ref_losses = [global_loss(problem, _kernel(ref), ref[-1])]
+    ref_values = [ref[-1]]
     for t in range(rounds):
         with np.errstate(over="ignore", invalid="ignore"):
             state, ref = _round(problem, doubled, state, ref, lr, local_steps)
@@ -159,19 +159,21 @@ def warmup_paths(problem: Problem, start: InitialPoint, lr: float, local_steps: 
                 f"lr={lr:g} with local_steps={local_steps} diverged in warm-up round {t + 1}; "
                 "lr must be below the stability limit 2/L (see estimate_constants)"
             )
-        # centralized GD below its stability limit decreases F every step; an increase of
-        # the reference's F means eta is past the limit on this path (oscillation or chaos)
-        ref_loss = global_loss(problem, _kernel(ref), ref[-1])
-        if ref_loss > ref_losses[-1] + 1e-9 * max(1.0, abs(ref_losses[-1])):
-            raise ParameterError(
-                f"lr={lr:g} with local_steps={local_steps} is unstable: the drift-free "
-                f"reference's F rose from {ref_losses[-1]:.6g} to {ref_loss:.6g} in warm-up "
-                f"round {t + 1}; lr must be below the stability limit 2/L along the path"
-            )
-        ref_losses.append(ref_loss)
         kernels.append(_kernel(state))
         values.append(state[-1])
         ref_kernels.append(_kernel(ref))
+        ref_values.append(ref[-1])
+    # centralized GD below its stability limit decreases F every step; an increase of the
+    # reference's F means eta is past the limit on this path (oscillation or chaos)
+    ref_losses = global_losses(problem, np.array(ref_kernels), np.array(ref_values))
+    rises = np.flatnonzero(np.diff(ref_losses) > 1e-9 * np.maximum(1.0, np.abs(ref_losses[:-1])))
+    if rises.size:
+        t = int(rises[0])
+        raise ParameterError(
+            f"lr={lr:g} with local_steps={local_steps} is unstable: the drift-free "
+            f"reference's F rose from {ref_losses[t]:.6g} to {ref_losses[t + 1]:.6g} in warm-up "
+            f"round {t + 1}; lr must be below the stability limit 2/L along the path"
+        )
     return np.array(kernels), np.array(values), np.array(ref_kernels)
 
 

@@ -66,19 +66,37 @@ def client_losses(problem: Problem, kernel: np.ndarray, value: np.ndarray) -> np
 
 
 def _value_terms(problem: Problem, m: np.ndarray, v: np.ndarray):
-    """H_m V, C_m and the shared products u = S V, P = S M, P S (see client_gradients)."""
+    """H_m V, C_m and the shared products u = S V, P = S M, P S (see client_gradients).
+
+    ``m`` and ``v`` have shapes (..., C, d, d) and (..., C, d, d_y): leading axes batch.
+    """
     s, n = problem.covariances, problem.context_length
     t = problem.teacher_products
-    mt = np.swapaxes(m, 1, 2)
+    mt = np.swapaxes(m, -1, -2)
     u = s @ v                                   # S V            (C, d, dy)
     ps = s @ m                                  # P = S M        (C, d, d)
     pss = ps @ s                                # P S
-    tr_a = np.einsum("cij,cij->c", m, pss)      # tr(M^T S M S)
-    h_v = (1 + 1 / n) * (s @ (mt @ (ps @ u))) + (tr_a / n)[:, None, None] * u
-    tr_b = np.einsum("cij,cij->c", m, t.smss)   # tr(M^T S M* S)
+    tr_a = np.einsum("...ij,...ij->...", m, pss)      # tr(M^T S M S)
+    h_v = (1 + 1 / n) * (s @ (mt @ (ps @ u))) + (tr_a / n)[..., None, None] * u
+    tr_b = np.einsum("...ij,...ij->...", m, t.smss)   # tr(M^T S M* S)
     lin = (s @ (mt @ t.smsw) + (t.smts @ (m @ t.sw)) / n
-           + (tr_b / n)[:, None, None] * t.sw)
+           + (tr_b / n)[..., None, None] * t.sw)
     return h_v, lin, u, ps, pss
+
+
+def global_losses(problem: Problem, kernels: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """F(M_i, V_i) of eq. (3) for stacked points: (N, d, d), (N, d, d_y) -> (N,)."""
+    m = np.asarray(kernels, dtype=np.float64)[:, None]
+    v = np.asarray(values, dtype=np.float64)[:, None]
+    c = problem.num_clients
+    m = np.broadcast_to(m, (m.shape[0], c, *m.shape[2:]))
+    v = np.broadcast_to(v, (v.shape[0], c, *v.shape[2:]))
+    h_v, lin, _, _, _ = _value_terms(problem, m, v)
+    losses = (0.5 * np.einsum("ncia,ncia->nc", v, h_v) - np.einsum("ncia,ncia->nc", v, lin)
+              + problem.teacher_products.constants)
+    ridge = 0.5 * problem.ridge * np.sum(np.square(values), axis=(1, 2))
+    kernel_ridge = 0.5 * problem.kernel_ridge * np.sum(np.square(kernels), axis=(1, 2))
+    return losses @ problem.weights + ridge + kernel_ridge
 
 
 def client_gradients(problem: Problem, kernel: np.ndarray, value: np.ndarray):
