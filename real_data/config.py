@@ -98,7 +98,7 @@ class TrainConfig:
     momentum: float = 0.0
     weight_decay: float = 0.0
     clip_grad_norm: float | None = None
-    engine: Literal["vectorized", "sequential"] = "vectorized"
+    engine: Literal["vectorized", "vectorized_compiled", "sequential"] = "vectorized"
     precision: Literal["fp32", "fp64", "bf16"] = "fp32"
     device: str = "auto"
 

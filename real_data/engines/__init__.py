@@ -1,7 +1,9 @@
 """Engines train one round's sampled clients: ``engine(job: LocalJob) -> ClientResults``.
 
-``vectorized`` stacks the clients and uses ``torch.func.vmap``; ``sequential`` is the plain
-reference loop. Both share :func:`make_batches`, so they see the same minibatches.
+``vectorized`` stacks the clients (batched GEMMs and CUDA graphs for the ViT and the character
+Transformer, ``torch.func.vmap`` otherwise); ``vectorized_compiled`` adds ``torch.compile``;
+``sequential`` is the plain reference loop. All share :func:`make_batches`, so they see the
+same minibatches.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from real_data.engines.base import (
     task_loss,
 )
 from real_data.engines.sequential import train_sequential
-from real_data.engines.vectorized import train_vectorized
+from real_data.engines.vectorized import train_vectorized, train_vectorized_compiled
 from real_data.errors import ConfigError
 
-ENGINES: dict[str, Engine] = {"vectorized": train_vectorized, "sequential": train_sequential}
+ENGINES: dict[str, Engine] = {"vectorized": train_vectorized,
+                              "vectorized_compiled": train_vectorized_compiled,
+                              "sequential": train_sequential}
 
 __all__ = [
     "ENGINES",
@@ -35,6 +39,7 @@ __all__ = [
     "task_loss",
     "train_sequential",
     "train_vectorized",
+    "train_vectorized_compiled",
 ]
 
 

@@ -31,6 +31,17 @@ def train_vectorized(job: LocalJob) -> ClientResults:
     return train_vmap(job)
 
 
+def train_vectorized_compiled(job: LocalJob) -> ClientResults:
+    """As :func:`train_vectorized`, with the stacked forward and loss ``torch.compile``d.
+
+    Compiles once per chunk shape (tens of seconds on the first round), then runs about 1.6x
+    faster on an H200 (ViT bf16, 500 clients: 839 -> 527 ms per round, docs/results.md).
+    """
+    if fast.supports(job):
+        return fast.train_fast(job, compile=True)
+    return train_vmap(job)
+
+
 def train_vmap(job: LocalJob) -> ClientResults:
     """The general path: ``vmap(grad(objective))`` over stacked clients, any model/forward."""
     algo, spec, model = job.algorithm, job.optimizer, job.model

@@ -91,3 +91,11 @@ def test_engines_agree_on_gpu_fp32(digits):
     _assert_params_close({k: v.double() for k, v in out["vectorized"].items()},
                          {k: v.double() for k, v in out["sequential"].items()}, 1e-3,
                          floor=1e-2 * model_scale)
+
+
+def test_compiled_engine_is_selectable():
+    from real_data.config import load_config
+    from real_data.engines import get_engine, train_vectorized_compiled
+
+    cfg = load_config("digits_vit", ["train.engine=vectorized_compiled"])
+    assert get_engine(cfg.train.engine) is train_vectorized_compiled
