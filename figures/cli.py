@@ -56,6 +56,16 @@ def _draw(number: int, result, grid, out_dir, cache_dir, real_data):
     return module.make(result, grid, out_dir, cache_dir)
 
 
+def _make_folders(*folders: Path) -> None:
+    """Create the output and cache folders now, so a bad path fails before any work."""
+    for folder in folders:
+        try:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise FigureError(f"cannot create the folder {folder} ({exc.strerror}); give a "
+                              "writable --out or --cache") from None
+
+
 def reproduce(args, command: str) -> int:
     from figures.common import cache_dir_for, grid_for, set_threads, validation
     from figures.report import write_report
@@ -70,6 +80,7 @@ def reproduce(args, command: str) -> int:
     set_threads(args.threads)
     out_dir = Path(args.out) if args.out is not None else OUT_DIR
     cache_dir = cache_dir_for(out_dir, args.cache)
+    _make_folders(out_dir, cache_dir)
     grid = grid_for(args.quick)
     steps = []
 
@@ -113,6 +124,7 @@ def figure(args) -> int:
     set_threads(args.threads)
     grid = grid_for(args.quick)
     cache_dir = cache_dir_for(args.out, args.cache)
+    _make_folders(*(f for f in (args.out, cache_dir) if f is not None))
     result = None
     if args.number in SIMULATED:
         result, _, _ = validation(grid, args.out, cache_dir, write=False)

@@ -133,6 +133,7 @@ def _study(argv: list[str]) -> int:
     from pathlib import Path
 
     from real_data import study
+    from real_data.errors import UserError
 
     ap = argparse.ArgumentParser(prog="linattn study", description=study.__doc__.splitlines()[0])
     ap.add_argument("--plan", required=True, help="plan YAML, or the name of a shipped plan")
@@ -144,6 +145,10 @@ def _study(argv: list[str]) -> int:
     ap.add_argument("--export", type=Path, help="also copy the tables here (e.g. docs/study)")
     ap.add_argument("--list", action="store_true", help="list the plan's runs and their status")
     args = ap.parse_args(argv)
+    if args.max_runs is not None and args.max_runs < 1:
+        raise UserError(f"--max-runs {args.max_runs}: must be >= 1")
+    if args.budget is not None and not args.budget > 0:
+        raise UserError(f"--budget {args.budget}: must be > 0 seconds")
     plan = study.load_plan(args.plan, args.out)
     if args.list:
         for spec in study.plan_runs(plan):

@@ -137,7 +137,8 @@ def test_theory_sweep_matches_the_validation_at_grid_points(quick_run):
 
 
 def test_floor_sweep_reuses_the_p4_computation(quick_run):
-    """Fig. 4 at the P4 point gives P4's numbers (same code, same seeds)."""
+    """Fig. 4 at the P4 point gives P4's numbers (same code, same seeds): a consistency check
+    that the figure plots the validated computation, not an independent test of the floor."""
     from figures import fig4_frozen_floor as fig4
     from figures.common import grid_for
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import signal
 import subprocess
@@ -39,8 +40,10 @@ def assert_records_close(expected, actual, rtol=RTOL):
     left = {(r, c, k): v for r, c, k, v in expected}
     right = {(r, c, k): v for r, c, k, v in actual}
     assert left.keys() == right.keys()
-    worst = max(abs(v - right[key]) / max(abs(v), abs(right[key]), 1e-12)
-                for key, v in left.items())
+    errs = [abs(v - right[key]) / max(abs(v), abs(right[key]), 1e-12)
+            for key, v in left.items()]
+    assert not any(math.isnan(e) for e in errs), "NaN in compared metrics"
+    worst = max(errs)
     assert worst <= rtol, worst
     return worst
 

@@ -8,6 +8,7 @@ native accuracy. Skipped when the ``flower`` extra (flwr[simulation]) is not ins
 from __future__ import annotations
 
 import csv
+import math
 from pathlib import Path
 
 import pytest
@@ -69,7 +70,9 @@ def _metrics(run_dir: Path) -> dict:
 
 def _assert_close(expected: dict, actual: dict, rtol: float = 1e-6) -> None:
     assert expected.keys() == actual.keys()
-    worst = max(abs(v - actual[k]) / max(abs(v), 1e-12) for k, v in expected.items())
+    errs = [abs(v - actual[k]) / max(abs(v), 1e-12) for k, v in expected.items()]
+    assert not any(math.isnan(e) for e in errs), "NaN in compared metrics"
+    worst = max(errs)
     assert worst <= rtol, worst
 
 

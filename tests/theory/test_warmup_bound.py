@@ -143,7 +143,7 @@ def test_closed_form_minimises_bias_plus_linear_drift_on_0_T(data):
     """With clipping (and the cap rule 29a of the nonconvex regime), T0* minimises
     B(T0) + S eta K T0 over the real interval [0, T]: no point of a 20001-point grid is lower
     (relative 1e-12). Nonconvex cases whose interior point lies beyond T are left out: there
-    the code and docs/theory.md disagree (see the xfail tests at the end)."""
+    the horizon corner (29b), tested by test_nonconvex_horizon_corner_* at the end."""
     kw = data.draw(constant_sets())
     regime = data.draw(REGIMES)
     assume(not _horizon_binds(kw, regime))
@@ -201,7 +201,7 @@ def test_t0_non_increasing_in_heterogeneity(kw, other, regime):
 def _horizon_binds(kw, regime):
     """True when the nonconvex interior point sqrt(A/S)/(eta K) lies beyond T: then the cap
     rule (29a) compares the bound at T with T0 = 0, and a larger eta K (a longer horizon in
-    tau) can raise T0* (see the xfail tests at the end). Eq. (30) is checked elsewhere."""
+    tau) can raise T0* (test_nonconvex_horizon_corner_* at the end). Eq. (30): elsewhere."""
     c = WarmupConstants(**kw)
     if regime != "nonconvex" or c.drift_slope == 0:
         return False
