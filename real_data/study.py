@@ -107,7 +107,8 @@ def load_plan(path: Path | str, out_dir: Path | str | None = None) -> Plan:
     """Read and check a plan file; every error names the key and the allowed values."""
     path = Path(path)
     if not path.is_file():
-        shipped = Path(__file__).parent / "studies" / f"{path}.yaml"
+        shipped = Path(__file__).parent / "studies" / (path.name if path.suffix else
+                                                       f"{path}.yaml")
         _require(shipped.is_file(), "--plan", f"{path} not found (nor {shipped})")
         path = shipped
     try:
@@ -199,6 +200,9 @@ def run_study(plan: Plan, pattern: str | None = None, max_runs: int | None = Non
     from real_data.runs import resume_run, start_run
 
     specs = [s for s in plan_runs(plan) if pattern is None or fnmatch.fnmatch(s.key, pattern)]
+    if pattern is not None and not specs:
+        raise ConfigError(f"--slice {pattern!r} matches no run of plan {plan.name!r}; "
+                          "`linattn study --plan ... --list` shows the run keys")
     # check every config before anything runs, so a bad plan writes nothing
     for s in specs:
         _config(s, s.warmup_rounds)

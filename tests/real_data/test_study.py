@@ -92,3 +92,10 @@ def test_bad_override_in_plan_writes_nothing(tmp_path, stub_data):
     with pytest.raises(ConfigError):
         study.run_study(plan, log=lambda *_: None)
     assert not (tmp_path / "out").exists()
+
+
+def test_slice_that_matches_nothing_is_an_error(tmp_path):
+    plan = _plan(tmp_path)
+    with pytest.raises(ConfigError, match="matches no run"):
+        study.run_study(plan, pattern="digits/nonexistent/*", log=lambda *_: None)
+    assert not (tmp_path / "out").exists()
