@@ -14,7 +14,8 @@ import sys
 
 # subcommand -> (module, one-line help)
 ROUTES: dict[str, tuple[str, str]] = {
-    "warmup": ("linattn_theory.cli", "optimal warm-up length T0* from constants or a problem file"),
+    "warmup": ("figures.warmup_cli",
+               "optimal warm-up length T0* from constants or a problem file"),
     "theory": ("linattn_theory.cli", "analytic quantities of a problem (losses, Phi*, D_frozen)"),
     "simulate": ("simulations.cli", "synthetic federated simulator: run, sweep, validate P1-P6"),
     "data": ("real_data.cli", "fetch, verify and list the real data sets"),

@@ -1,7 +1,8 @@
 """``linattn warmup`` and ``linattn theory``: the analytic module on the command line.
 
-Imports only numpy/scipy (and yaml/json for problem files); matplotlib is imported only when
-``--png`` asks for a plot, so ``linattn warmup`` starts without torch or matplotlib.
+Imports only numpy/scipy (and yaml/json for problem files), never torch or matplotlib. The
+``--png`` plot is drawn by a ``plot(recommendation, path)`` callable passed in by the caller:
+the ``linattn`` command routes ``warmup`` through ``figures.warmup_cli``, which supplies it.
 """
 
 from __future__ import annotations
@@ -120,10 +121,13 @@ def _constants_from_args(args):
     return constants, assumed
 
 
-def warmup_main(argv: list[str]) -> int:
+def warmup_main(argv: list[str], plot=None) -> int:
     from linattn_theory.warmup import recommend_warmup
 
     args = _warmup_parser().parse_args(argv)
+    if args.png is not None and plot is None:
+        raise ParameterError("--png needs the plotting part: run it as `linattn warmup ...` "
+                             "(which draws through figures.warmup_cli)")
     dynamics = None
     if args.problem is not None:
         from linattn_theory.constants import estimate_constants
@@ -173,29 +177,9 @@ def warmup_main(argv: list[str]) -> int:
         _atomic_write(args.json, lambda tmp: tmp.write_text(json.dumps(payload, indent=2)))
         print(f"wrote {args.json}")
     if args.png:
-        _plot(rec, args.png)
+        plot(rec, args.png)
         print(f"wrote {args.png}")
     return 0
-
-
-def _plot(rec, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    ax.plot(rec.rounds, rec.bias, "-", color="0.1", label="bias bound")
-    ax.plot(rec.rounds, rec.drift, "--", color="0.35", label="drift bound")
-    ax.plot(rec.rounds, rec.total, ":", color="0.0", lw=2, label="total bound")
-    ax.axvline(rec.warmup_rounds, color="0.5", lw=1, label=f"T0* = {rec.warmup_rounds}")
-    ax.set_xlabel("warm-up rounds T0")
-    ax.set_ylabel("bound on excess risk")
-    ax.set_yscale("log")
-    ax.legend(frameon=False)
-    fig.tight_layout()
-    _atomic_write(path, lambda tmp: fig.savefig(tmp, format=path.suffix.lstrip(".") or "png"))
-    plt.close(fig)
 
 
 def theory_main(argv: list[str]) -> int:
@@ -214,13 +198,14 @@ def theory_main(argv: list[str]) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, plot=None) -> int:
+    """Entry point; ``plot(recommendation, path)`` draws ``--png`` (see module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command, rest = (argv[0], argv[1:]) if argv else ("warmup", [])
     try:
         if command == "theory":
             return theory_main(rest)
-        return warmup_main(rest)
+        return warmup_main(rest, plot)
     except ParameterError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

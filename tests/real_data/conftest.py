@@ -1,8 +1,6 @@
-"""Shared fixtures: tiny data and partitions built here, independent of ``real_data.data``.
+"""Shared fixtures: tiny data and partitions built here, and the ``linattn`` CLI in a subprocess.
 
-``install_stub_data`` gives ``real_data.data`` a minimal ``load_dataset``/``make_partition``
-(digits only) when the real data layer is absent, so that CLI tests run either way; with the
-real data layer present it does nothing and the tests exercise the real loaders.
+Runs through the CLI or ``start_run`` use the real data layer (``real_data.data``).
 """
 
 from __future__ import annotations
@@ -67,59 +65,20 @@ def random_partition(dataset: TensorDataset, num_clients: int, seed: int,
                      {} if alpha is None else {"alpha": alpha}, seed)
 
 
-def _stub_load_dataset(name, root=None, **opts):
-    from real_data.errors import DataError
-
-    if name != "digits":
-        raise DataError(f"stub data layer: only digits is available, not {name!r}")
-    return digits_dataset()
-
-
-def _stub_make_partition(dataset, scheme, num_clients, seed, **params):
-    alpha = params.get("alpha") if scheme == "dirichlet" else None
-    return random_partition(dataset, num_clients, seed, alpha, params.get("min_size", 1))
-
-
-def install_stub_data() -> None:
-    """Give ``real_data.data`` digits-only loaders if the real data layer is missing."""
-    import real_data.data as data
-
-    if not has_real_data_layer():
-        data.load_dataset, data.make_partition = _stub_load_dataset, _stub_make_partition
-
-
-def has_real_data_layer() -> bool:
-    try:
-        from real_data.data import load_dataset, make_partition  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 CLI_BOOT = (
-    "import sys; sys.path.insert(0, {here!r}); import conftest; conftest.install_stub_data(); "
+    "import sys; sys.path.insert(0, {here!r}); "
     "from linattn.cli import main; sys.exit(main(sys.argv[1:]))"
 )
 
 
 def cli_command(*args: str) -> list[str]:
-    """``python -c <boot> args...``: the ``linattn`` CLI with the stub data if needed."""
+    """``python -c <boot> args...``: the ``linattn`` CLI from this checkout."""
     return [sys.executable, "-c", CLI_BOOT.format(here=str(HERE)), *args]
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = 120):
     return subprocess.run(cli_command(*args), cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})
-
-
-@pytest.fixture
-def stub_data(monkeypatch):
-    """Digits loaders on ``real_data.data`` (for in-process runs) if the real layer is missing."""
-    import real_data.data as data
-
-    if not has_real_data_layer():
-        monkeypatch.setattr(data, "load_dataset", _stub_load_dataset, raising=False)
-        monkeypatch.setattr(data, "make_partition", _stub_make_partition, raising=False)
 
 
 @pytest.fixture(scope="session")

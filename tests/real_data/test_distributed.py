@@ -173,7 +173,7 @@ def _metrics(path: Path) -> list:
             for r in csv.DictReader(open(path))]
 
 
-def test_gloo_run_killed_and_resumed_equals_single_process(tmp_path, stub_data):
+def test_gloo_run_killed_and_resumed_equals_single_process(tmp_path):
     over = [*TINY, "train.rounds=5", "partition.num_clients=4", "algorithm.warmup_rounds=2",
             *SGD]
     killed = tmp_path / "killed"

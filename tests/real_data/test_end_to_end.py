@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import REPO, has_real_data_layer
+from conftest import REPO
 
 from real_data.config import load_config
 from real_data.errors import DataError
@@ -18,7 +18,7 @@ CHANCE = 0.1
     ["algorithm.name=fedavg"],
     ["algorithm.name=fedfrozen", "algorithm.warmup_rounds=5"],
 ])
-def test_digits_beats_chance(tmp_path, stub_data, algorithm):
+def test_digits_beats_chance(tmp_path, algorithm):
     cfg = load_config("digits_vit", ["run.progress=false", "run.plot=false", *algorithm])
     res = start_run(cfg, out=tmp_path / "run")
     assert res.status == "completed"
@@ -27,8 +27,6 @@ def test_digits_beats_chance(tmp_path, stub_data, algorithm):
 
 
 def test_fmnist_slice_beats_chance(tmp_path):
-    if not has_real_data_layer():
-        pytest.skip("real_data.data (the data layer) is not there yet")
     from real_data.data import load_dataset
 
     try:
@@ -57,11 +55,7 @@ def test_fmnist_slice_beats_chance(tmp_path):
         assert res.summary["final"]["test_acc"] > 0.5, res.summary["final"]
 
 
-def test_warmup_auto_uses_theory_recommendation(tmp_path, stub_data):
-    try:
-        import linattn_theory.warmup  # noqa: F401
-    except ImportError:
-        pytest.skip("linattn_theory.warmup (recommend_warmup) is not there yet")
+def test_warmup_auto_uses_theory_recommendation(tmp_path):
     cfg = load_config("digits_vit", [
         "run.progress=false", "run.plot=false", "train.rounds=8", "algorithm.warmup=auto",
         "algorithm.warmup_rounds=null", "algorithm.probe_rounds=3", "train.optimizer=sgd",

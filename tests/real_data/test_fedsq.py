@@ -173,7 +173,7 @@ def test_engines_agree(tmp_path, digits64):
                   "algorithm.warmup_rounds=1", "algorithm.strict=true")
 
 
-def test_pretrain_command_then_fedsq_beats_chance(tmp_path, capsys, stub_data):
+def test_pretrain_command_then_fedsq_beats_chance(tmp_path, capsys):
     """``linattn pretrain`` on a disjoint digits split, then FedSQ; best accuracy and round."""
     model = ["model.activation=relu", "model.depth=1"]
     out = tmp_path / "s.pt"

@@ -33,7 +33,7 @@ SMALL = [*TINY, "train.rounds=5", "partition.num_clients=4", "algorithm.warmup_r
     ("partition.num_clients=5000", "partition.num_clients=5000 exceeds"),
     ("train.rounds=ten", "train.rounds"),
 ])
-def test_bad_config_exits_2_and_writes_nothing(tmp_path, capsys, stub_data, override, text):
+def test_bad_config_exits_2_and_writes_nothing(tmp_path, capsys, override, text):
     out = tmp_path / "runs"
     code = linattn_main(["run", "--config", "digits_vit", *SMALL, f"run.out_dir={out}",
                          override])
@@ -50,7 +50,7 @@ def test_bad_config_exit_code_through_the_command(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
-def test_killed_run_resumes_to_identical_metrics(tmp_path, stub_data):
+def test_killed_run_resumes_to_identical_metrics(tmp_path):
     args = ["run", "--config", "digits_vit", *SMALL, "train.rounds=6"]
     killed = tmp_path / "killed"
     proc = subprocess.Popen(cli_command(*args, "--out", str(killed)), cwd=REPO,
@@ -77,7 +77,7 @@ def test_killed_run_resumes_to_identical_metrics(tmp_path, stub_data):
     assert json.loads((killed / "summary.json").read_text())["rounds_completed"] == 6
 
 
-def test_nan_stops_run_and_keeps_last_good_checkpoint(tmp_path, stub_data, monkeypatch,
+def test_nan_stops_run_and_keeps_last_good_checkpoint(tmp_path, monkeypatch,
                                                       capsys):
     real = engines.ENGINES["vectorized"]
     calls = []
@@ -102,7 +102,7 @@ def test_nan_stops_run_and_keeps_last_good_checkpoint(tmp_path, stub_data, monke
     assert _rounds(out / "metrics.csv") == {1, 2}
 
 
-def test_t0_sweep_branches_equal_direct_runs(tmp_path, stub_data):
+def test_t0_sweep_branches_equal_direct_runs(tmp_path):
     cfg = tiny_config("train.rounds=4", "partition.num_clients=3", "algorithm.warmup_rounds=1")
     results = run_sweep(cfg, tmp_path / "sweep", algorithms=["fedfrozen"],
                         warmup_rounds=[1, 3])
@@ -115,7 +115,7 @@ def test_t0_sweep_branches_equal_direct_runs(tmp_path, stub_data):
     assert (tmp_path / "sweep" / "sweep.csv").read_text().count("\n") == 3
 
 
-def test_run_directory_contents(tmp_path, stub_data):
+def test_run_directory_contents(tmp_path):
     res = start_run(tiny_config("train.rounds=2", "partition.num_clients=3", "run.plot=true",
                                 "algorithm.warmup_rounds=1"), out=tmp_path / "r")
     names = {p.name for p in res.run_dir.iterdir()}
@@ -139,7 +139,7 @@ def test_cli_routes_data_and_checks_study_plans(capsys, monkeypatch):
     assert "no-such-plan" in capsys.readouterr().err
 
 
-def test_sweep_command_writes_an_index(tmp_path, stub_data, capsys):
+def test_sweep_command_writes_an_index(tmp_path, capsys):
     code = linattn_main(["sweep", "--config", "digits_vit", "--out", str(tmp_path / "s"),
                          "--algorithms", "fedavg,fedprox", "--seeds", "0,1", *TINY,
                          "partition.num_clients=4", "train.rounds=2"])

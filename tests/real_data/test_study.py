@@ -36,7 +36,7 @@ def _plan(tmp_path, data=PLAN):
     return study.load_plan(path, tmp_path / "out")
 
 
-def test_plan_keys_and_slices_resume_and_aggregate(tmp_path, stub_data):
+def test_plan_keys_and_slices_resume_and_aggregate(tmp_path):
     plan = _plan(tmp_path)
     keys = [s.key for s in study.plan_runs(plan)]
     assert keys == ["digits/fedavg/alpha=0.5/seed=0", "digits/frozen-T0=2/alpha=0.5/seed=0",
@@ -60,7 +60,7 @@ def test_plan_keys_and_slices_resume_and_aggregate(tmp_path, stub_data):
     assert "| digits | 0.5 | fedavg |" in paths[2].read_text()
 
 
-def test_interrupted_run_is_resumed(tmp_path, stub_data):
+def test_interrupted_run_is_resumed(tmp_path):
     plan = _plan(tmp_path, {**PLAN, "sweeps": [{**PLAN["sweeps"][0],
                                                 "arms": PLAN["sweeps"][0]["arms"][:1]}]})
     study.run_study(plan, log=lambda *_: None)
@@ -85,7 +85,7 @@ def test_bad_plans_name_the_key(tmp_path, mutate, key):
         _plan(tmp_path, data)
 
 
-def test_bad_override_in_plan_writes_nothing(tmp_path, stub_data):
+def test_bad_override_in_plan_writes_nothing(tmp_path):
     data = yaml.safe_load(yaml.safe_dump(PLAN))
     data["sweeps"][0]["arms"][0]["overrides"] = ["train.nonsense=1"]
     plan = _plan(tmp_path, data)
