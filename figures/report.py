@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from figures.common import FigureOutput
+from simulations.report import format_value
 
 # THEORY.md section 4, the predictions the simulator must confirm or refute
 PREDICTIONS = {
@@ -36,19 +37,6 @@ TITLES = {1: "Bias and drift versus T0 (P1)", 2: "Final error versus T0 (P2)",
           8: "Partitions: label mix per client"}
 
 
-def value_text(value) -> str:
-    """A measured value as the table prints it: floats to 4 significant digits."""
-    if value is None:
-        return "n/a"
-    if isinstance(value, bool):
-        return str(value)
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    if isinstance(value, list):
-        return "[" + ", ".join(value_text(v) for v in value) + "]"
-    return str(value)
-
-
 def verdict(check: dict) -> str:
     return {True: "**PASS**", False: "**FAIL**", None: "report"}[check["pass"]]
 
@@ -61,7 +49,7 @@ def _cell(text: str) -> str:
 def checks_table(result: dict) -> str:
     lines = ["| check | prediction | criterion | measured | result |", "|---|---|---|---|---|"]
     for name, check in result["checks"].items():
-        measured = "; ".join(f"{k} = {value_text(v)}" for k, v in check["measured"].items())
+        measured = "; ".join(f"{k} = {format_value(v)}" for k, v in check["measured"].items())
         lines.append(f"| {name} | {_cell(PREDICTIONS.get(name, ''))} | "
                      f"{_cell(check['criterion'])} | {measured} | {verdict(check)} |")
     return "\n".join(lines)

@@ -262,7 +262,6 @@ def population_dynamics(problem: Problem, start: InitialPoint, lr: float, local_
     kernels, values, ref_kernels = warmup_paths(problem, start, lr, local_steps, horizon)
 
     # per-round kernel quantities along the shared warm-up prefix
-    phi_path = profile_values(problem, kernels)
     ref_phi = profile_values(problem, ref_kernels)
     dev_path = np.linalg.norm((kernels - ref_kernels).reshape(horizon + 1, -1), axis=1)
 
@@ -270,7 +269,12 @@ def population_dynamics(problem: Problem, start: InitialPoint, lr: float, local_
     p = problem.weights
     h_all, lin_all, _ = value_quadratic(problem, kernels[:, None])
     hess_all = np.einsum("c,ncij->nij", p, h_all) + problem.ridge * np.eye(problem.dim)
-    opt_all = np.linalg.solve(hess_all, np.einsum("c,ncia->nia", p, lin_all))
+    pooled_lin = np.einsum("c,ncia->nia", p, lin_all)
+    opt_all = np.linalg.solve(hess_all, pooled_lin)
+    # Phi(M_t) of eq. (10) from the same quadratic (profile_values would rebuild it)
+    phi_path = (p @ problem.teacher_products.constants
+                + 0.5 * problem.kernel_ridge * np.sum(np.square(kernels), axis=(1, 2))
+                - 0.5 * np.sum(pooled_lin * opt_all, axis=(1, 2)))
     warm_err = phi_path - phi_star + _excess(hess_all, opt_all, values)
 
     # frozen stage for every T0 at once: stack the maps of eq. (14) for kernels M_T0

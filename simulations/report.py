@@ -23,13 +23,19 @@ def _jsonable(x):
     return x
 
 
-def _fmt(value) -> str:
+def format_value(value) -> str:
+    """A measured value as the reports print it: floats to 4 significant digits, None as n/a.
+
+    Shared with ``figures.report`` so the reproduce report prints exactly these strings.
+    """
+    if value is None:
+        return "n/a"
     if isinstance(value, bool):
         return str(value)
     if isinstance(value, float):
         return f"{value:.4g}"
     if isinstance(value, list):
-        return "[" + ", ".join(_fmt(v) for v in value) + "]"
+        return "[" + ", ".join(format_value(v) for v in value) + "]"
     return str(value)
 
 
@@ -37,7 +43,7 @@ def markdown_table(result: dict) -> str:
     """The P1-P6 table: prediction, criterion, measured value, PASS/FAIL."""
     lines = ["| check | criterion | measured | result |", "|---|---|---|---|"]
     for name, check in result["checks"].items():
-        measured = "; ".join(f"{k} = {_fmt(v)}" for k, v in check["measured"].items())
+        measured = "; ".join(f"{k} = {format_value(v)}" for k, v in check["measured"].items())
         verdict = {True: "PASS", False: "FAIL", None: "report"}[check["pass"]]
         lines.append(f"| {name} | {check['criterion']} | {measured} | {verdict} |")
     return "\n".join(lines)
@@ -46,7 +52,8 @@ def markdown_table(result: dict) -> str:
 def points_table(check: dict, keys: list[str]) -> str:
     lines = ["| " + " | ".join(["setting", *keys]) + " |", "|" + "---|" * (len(keys) + 1)]
     for row in check["points"]:
-        lines.append("| " + " | ".join([row["setting"], *(_fmt(row.get(k)) for k in keys)]) + " |")
+        cells = [row["setting"], *(format_value(row.get(k)) for k in keys)]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -73,7 +80,7 @@ def write_validation(result: dict, out_dir) -> Path:
              points_table(checks["P6"], ["T0_population_merged", "T0_population_factored",
                                          "T0_empirical_merged", "T0_empirical_factored",
                                          "max_abs_R_difference"]), "",
-             f"Timing: {_fmt(result['timing'])}", ""]
+             f"Timing: {format_value(result['timing'])}", ""]
     (out / "validation.md").write_text("\n".join(parts))
     _figures(result, out)
     return out
