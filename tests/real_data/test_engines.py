@@ -12,10 +12,9 @@ from real_data.engines import make_batches
 RTOL = 1e-6  # float64 on CPU: both engines compute the same sums in different orders
 
 
-def _assert_params_close(a: dict, b: dict, rtol: float, floor: float = 1e-12) -> None:
-    """max |a - b| / max(|a|max, floor) <= rtol for every tensor."""
+def _assert_params_close(a: dict, b: dict, rtol: float) -> None:
     for n in a:
-        scale = max(float(a[n].abs().max()), floor)
+        scale = max(float(a[n].abs().max()), 1e-12)
         err = float((a[n] - b[n]).abs().max()) / scale
         assert err <= rtol, f"{n}: relative difference {err:.2e} > {rtol}"
 
@@ -82,15 +81,14 @@ def test_engines_agree_on_gpu_fp32(digits):
     part = random_partition(digits, 4, seed=1, alpha=0.5)
     out = {}
     for engine in ("vectorized", "sequential"):
-        cfg = tiny_config("train.device=cuda", f"train.engine={engine}", "algorithm.name=fedavg")
+        # SGD, not the config's Adam: the key bias has zero gradient in exact arithmetic under
+        # softmax, and Adam's normalisation turns its rounding-noise gradient into steps of size
+        # lr with a random sign (seen on an H200: 3.2e-2 relative on blocks.0.attn.k.bias)
+        cfg = tiny_config("train.device=cuda", f"train.engine={engine}", "algorithm.name=fedavg",
+                          "train.optimizer=sgd", "train.lr=0.05")
         out[engine] = train_rounds(federation(cfg, digits, part), 2)[0].global_params
-    # fp32 on a GPU (TF32 matmuls, different summation orders): relative to the tensor's size,
-    # but not below 1% of the model's largest parameter, because the key bias has zero gradient
-    # in exact arithmetic under softmax and holds only rounding noise (seen: 3e-2 "relative")
-    model_scale = max(float(v.abs().max()) for v in out["sequential"].values())
     _assert_params_close({k: v.double() for k, v in out["vectorized"].items()},
-                         {k: v.double() for k, v in out["sequential"].items()}, 1e-3,
-                         floor=1e-2 * model_scale)
+                         {k: v.double() for k, v in out["sequential"].items()}, 1e-3)
 
 
 def test_compiled_engine_is_selectable():
