@@ -111,6 +111,9 @@ def _pretrain(argv: list[str]) -> int:
     ap.add_argument("--lr", type=float, default=1e-3, help="Adam step size")
     ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--exclude-largest-groups", type=int, default=0, metavar="N",
+                    help="natural-client data: leave out the N largest groups (the clients "
+                    "of a natural partition with num_clients=N)")
     ap.add_argument("overrides", nargs="*", metavar="key=value",
                     help="dotted overrides of the run config (model.*, train.device, ...)")
     args = ap.parse_args(argv)
@@ -121,7 +124,8 @@ def _pretrain(argv: list[str]) -> int:
     if args.out.exists():
         raise UserError(f"{args.out} already exists; choose another --out")
     settings = PretrainSettings(args.source, args.source_skip, args.source_limit, args.epochs,
-                                args.batch_size, args.lr, args.weight_decay, args.seed)
+                                args.batch_size, args.lr, args.weight_decay, args.seed,
+                                args.exclude_largest_groups)
     meta = run_pretrain(load_config(args.config, args.overrides), settings, args.out)
     print(f"{args.out}: {meta['source']} ({meta['samples']} samples, {args.epochs} epochs), "
           f"source test_acc {meta['source_test_acc']:.4f}")
@@ -138,29 +142,54 @@ def _study(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="linattn study", description=study.__doc__.splitlines()[0])
     ap.add_argument("--plan", required=True, help="plan YAML, or the name of a shipped plan")
     ap.add_argument("--out", type=Path, help="override the plan's out_dir")
-    ap.add_argument("--slice", help="glob over <sweep>/<arm>/alpha=<a>/seed=<s> (quote it)")
+    ap.add_argument("--slice", action="append",
+                    help="glob over <sweep>/<arm>/alpha=<a>/seed=<s> (quote it; repeat the "
+                    "option for a union)")
     ap.add_argument("--max-runs", type=int, help="start or resume at most this many run groups")
     ap.add_argument("--budget", type=float, help="start no new run after this many seconds")
+    ap.add_argument("--shard", help="k/n: run the k-th (0-based) of n cost-balanced parts of "
+                    "the selection (n workers side by side)")
+    ap.add_argument("--pretrain-only", action="store_true",
+                    help="only run the plan's missing pretraining jobs the selection needs "
+                    "(before starting several --shard workers)")
     ap.add_argument("--aggregate-only", action="store_true", help="only write the tables")
     ap.add_argument("--export", type=Path, help="also copy the tables here (e.g. docs/study)")
+    ap.add_argument("--pack", type=Path, metavar="FILE.tar.xz",
+                    help="then archive the completed runs' metrics and Q/K snapshots (small; "
+                    "unpack into out_dir and --aggregate-only elsewhere)")
     ap.add_argument("--list", action="store_true", help="list the plan's runs and their status")
     args = ap.parse_args(argv)
     if args.max_runs is not None and args.max_runs < 1:
         raise UserError(f"--max-runs {args.max_runs}: must be >= 1")
     if args.budget is not None and not args.budget > 0:
         raise UserError(f"--budget {args.budget}: must be > 0 seconds")
+    shard = None
+    if args.shard is not None:
+        try:
+            k, n = (int(v) for v in args.shard.split("/"))
+        except ValueError:
+            raise UserError(f"--shard {args.shard}: must be k/n with integers, e.g. 0/4") from None
+        if not (n >= 1 and 0 <= k < n):
+            raise UserError(f"--shard {args.shard}: needs n >= 1 and 0 <= k < n")
+        shard = (k, n)
     plan = study.load_plan(args.plan, args.out)
     if args.list:
         for spec in study.plan_runs(plan):
             print(f"{study._status(spec.run_dir):>9}  {spec.key}")
         return 0
     if not args.aggregate_only:
-        counts = study.run_study(plan, args.slice, args.max_runs, args.budget)
+        counts = study.run_study(plan, args.slice, args.max_runs, args.budget, shard=shard,
+                                 pretrain_only=args.pretrain_only)
         print("study:", ", ".join(f"{k} {v}" for k, v in counts.items()))
+        if args.pretrain_only:
+            return 0
     rows = study.aggregate(plan)
     for folder in [plan.out_dir / "tables", *([args.export] if args.export else [])]:
         paths = study.write_tables(rows, folder)
         print(f"wrote {', '.join(str(p) for p in paths)}")
+    if args.pack is not None:
+        packed = study.pack_results(plan, args.pack)
+        print(f"packed {packed['runs']} runs, {packed['snapshots']} snapshots into {args.pack}")
     return 0
 
 

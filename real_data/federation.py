@@ -7,6 +7,7 @@ and returns the round's metric records. Nothing here writes files (see :mod:`rea
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -101,7 +102,8 @@ class Federation:
         shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
         ctx = AlgorithmContext(self.groups, shapes, partition.num_clients, t.rounds,
                                t.clients_per_round or partition.num_clients, t.local_steps,
-                               self.optimizer, seed=cfg.role_seed("training"))
+                               self.optimizer, seed=cfg.role_seed("training"),
+                               model=dataclasses.asdict(mcfg))
         self.algorithm = get_algorithm(cfg.algorithm.name)(cfg.algorithm.params, ctx)
         self.engine = get_engine(t.engine)
         self._flops: dict[tuple[str, ...], int] = {}

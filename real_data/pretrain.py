@@ -5,6 +5,9 @@ trains the run config's model (same architecture; the source data's shape and cl
 Adam on the whole source training split and writes the parameters plus their provenance.
 A disjoint split of the target data set: ``--source fmnist --source-skip 30000`` trains on the
 training samples after the first 30000, and the target run sets ``data.train_limit=30000``.
+For naturally split data (Shakespeare) ``--exclude-largest-groups 100`` trains only on the
+roles outside the 100 largest, the clients a ``partition.scheme=natural num_clients=100`` run
+federates, so the transfer source is disjoint from every federated client.
 
 The file holds ``{"params": {name: tensor}, "meta": {...}}`` (tensors and plain values only,
 read back with ``torch.load(weights_only=True)``).
@@ -38,6 +41,9 @@ class PretrainSettings:
         Adam's step size and L2 coefficient.
     seed : int
         Model initialization and minibatch order.
+    exclude_largest_groups : int
+        Natural-client data only: leave out the training samples of the N largest groups
+        (the clients of a ``natural`` partition with ``num_clients=N``); 0 keeps all.
     """
 
     source: str = "mnist"
@@ -48,13 +54,16 @@ class PretrainSettings:
     lr: float = 1e-3
     weight_decay: float = 0.0
     seed: int = 0
+    exclude_largest_groups: int = 0
 
     def __post_init__(self) -> None:
         checks = [(self.skip >= 0, "--source-skip", self.skip, ">= 0"),
                   (self.limit is None or self.limit >= 1, "--source-limit", self.limit, ">= 1"),
                   (self.epochs >= 1, "--epochs", self.epochs, ">= 1"),
                   (self.batch_size >= 1, "--batch-size", self.batch_size, ">= 1"),
-                  (self.lr > 0, "--lr", self.lr, "> 0")]
+                  (self.lr > 0, "--lr", self.lr, "> 0"),
+                  (self.exclude_largest_groups >= 0, "--exclude-largest-groups",
+                   self.exclude_largest_groups, ">= 0")]
         for ok, key, value, allowed in checks:
             if not ok:
                 raise ConfigError(f"{key}={value} must be {allowed}")
@@ -72,9 +81,9 @@ class PretrainResult:
 def pretrain_model(model: torch.nn.Module, dataset, settings: PretrainSettings,
                    device: torch.device) -> PretrainResult:
     """Train ``model`` (in place) on the training split of ``dataset`` (a TensorDataset)."""
-    end = None if settings.limit is None else settings.skip + settings.limit
-    x = dataset.x_train[settings.skip:end].to(device)
-    y = dataset.y_train[settings.skip:end].to(device)
+    index = source_indices(dataset, settings)
+    x = dataset.x_train[index].to(device)
+    y = dataset.y_train[index].to(device)
     if len(y) == 0:
         raise UserError(f"--source-skip={settings.skip} leaves no training samples of "
                         f"{dataset.name} ({len(dataset.y_train)} in all)")
@@ -106,6 +115,24 @@ def pretrain_model(model: torch.nn.Module, dataset, settings: PretrainSettings,
     _, hit = evaluate(model, xt, dataset.y_test.to(device), 1024)
     params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     return PretrainResult(params, float(hit.mean()), tuple(losses))
+
+
+def source_indices(dataset, settings: PretrainSettings) -> torch.Tensor:
+    """Indices of the source training samples used: skip/limit, minus excluded groups."""
+    index = np.arange(len(dataset.y_train))
+    if settings.exclude_largest_groups:
+        if dataset.groups_train is None:
+            raise UserError(f"--exclude-largest-groups needs natural clients; {dataset.name} "
+                            "has none")
+        from real_data.data.partition import natural
+
+        if settings.exclude_largest_groups >= len(dataset.groups_train):
+            raise UserError(f"--exclude-largest-groups={settings.exclude_largest_groups} leaves "
+                            f"none of the {len(dataset.groups_train)} groups of {dataset.name}")
+        taken = natural(dataset, settings.exclude_largest_groups, 0).train
+        index = np.setdiff1d(index, np.concatenate(taken))
+    end = None if settings.limit is None else settings.skip + settings.limit
+    return torch.as_tensor(index[settings.skip:end])
 
 
 def save_pretrained(path: Path, result: PretrainResult, meta: dict) -> None:
@@ -141,7 +168,6 @@ def run_pretrain(cfg, settings: PretrainSettings, out: Path, dataset=None) -> di
     mcfg = complete_model_config(cfg.model.name, dataclasses.replace(
         cfg.model.params, **_data_fields(cfg.model.name)), dataset.input_shape,
         dataset.num_classes)
-    end = None if settings.limit is None else settings.skip + settings.limit
     device = resolve_device(cfg.train.device)
     dtype = torch.float64 if cfg.train.precision == "fp64" else torch.float32
     model = build_model(cfg.model.name, mcfg, settings.seed, dtype).to(device)
@@ -149,7 +175,7 @@ def run_pretrain(cfg, settings: PretrainSettings, out: Path, dataset=None) -> di
     result = pretrain_model(model, dataset, settings, device)
     meta = {"model": cfg.model.name, "model_config": _plain(dataclasses.asdict(mcfg)),
             "settings": _plain(dataclasses.asdict(settings)), "source": dataset.name,
-            "samples": int(len(dataset.y_train[settings.skip:end])),
+            "samples": int(len(source_indices(dataset, settings))),
             "source_test_acc": result.source_test_acc,
             "epoch_losses": list(result.epoch_losses),
             "wall_time_s": time.perf_counter() - start,

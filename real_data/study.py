@@ -25,7 +25,17 @@ largest T0, keeping a snapshot at every T0) and branches every other T0 from its
 every T0 of its sweep, so the Q/K kernel deviation of FedFrozen's warm-up from it can be
 measured. ``--slice`` selects runs by a glob over ``<sweep>/<arm>/alpha=<a>/seed=<s>`` so a large
 plan splits into GPU calls of under 10 minutes each; ``--budget`` stops starting new runs after
-that many seconds.
+that many seconds; ``--shard k/n`` takes the k-th of n cost-balanced parts of the selection, so n
+workers (one or more per GPU) run one plan side by side without touching the same run.
+
+A plan may name central pretraining jobs (FedSQ's transfer initialization) under ``pretrain``;
+each writes ``<out_dir>/pretrained/<name>.pt`` before any selected run that needs it starts, and
+``{out_dir}`` in an override is replaced by the plan's output folder::
+
+    pretrain:
+      - {name: mnist_softmax, config: fmnist_vit_fedsq, source: mnist, epochs: 3,
+         overrides: [model.attention=softmax]}
+    # an arm then uses  algorithm.pretrained={out_dir}/pretrained/mnist_softmax.pt
 
 Aggregation reads every run's ``metrics.csv`` and ``summary.json`` and writes, per sweep, arm,
 T0 and alpha: mean +- std over seeds (with the number of seeds) of final and best accuracy,
@@ -40,6 +50,7 @@ import csv
 import dataclasses
 import fnmatch
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,10 +84,27 @@ class Sweep:
 
 
 @dataclass(frozen=True)
+class PretrainJob:
+    """One central pretraining (``linattn pretrain``) the plan's runs load."""
+
+    name: str
+    config: str
+    source: str
+    overrides: tuple[str, ...] = ()
+    epochs: int = 3
+    exclude_largest_groups: int = 0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
 class Plan:
     name: str
     out_dir: Path
     sweeps: tuple[Sweep, ...]
+    pretrain: tuple[PretrainJob, ...] = ()
+
+    def pretrained_path(self, job: PretrainJob) -> Path:
+        return self.out_dir / "pretrained" / f"{job.name}.pt"
 
 
 @dataclass(frozen=True)
@@ -116,9 +144,9 @@ def load_plan(path: Path | str, out_dir: Path | str | None = None) -> Plan:
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML ({exc})") from None
     _require(isinstance(raw, dict), str(path), "must be a mapping")
-    unknown = set(raw) - {"name", "out_dir", "seeds", "sweeps"}
+    unknown = set(raw) - {"name", "out_dir", "seeds", "sweeps", "pretrain", "common_arms"}
     _require(not unknown, str(path), f"unknown keys {sorted(unknown)}; allowed: name, out_dir, "
-             "seeds, sweeps")
+             "seeds, sweeps, pretrain, common_arms (YAML anchors only)")
     seeds = raw.get("seeds", [0])
     _require(isinstance(seeds, list) and seeds and all(isinstance(s, int) for s in seeds),
              "seeds", "must be a non-empty list of integers")
@@ -154,8 +182,28 @@ def load_plan(path: Path | str, out_dir: Path | str | None = None) -> Plan:
         sweeps.append(Sweep(sw["name"], str(sw["config"]),
                             _strings(sw.get("overrides", []), f"{where}.overrides"),
                             tuple(alphas), tuple(arms), tuple(sw.get("seeds", seeds))))
+    jobs = []
+    _require(isinstance(raw.get("pretrain", []), list), "pretrain", "must be a list")
+    fields = {"name", "config", "source", "overrides", "epochs", "exclude_largest_groups", "seed"}
+    for i, job in enumerate(raw.get("pretrain", [])):
+        where = f"pretrain[{i}]"
+        _require(isinstance(job, dict), where, "must be a mapping")
+        bad = set(job) - fields
+        _require(not bad, where,
+                 f"unknown keys {sorted(bad)}; allowed: {', '.join(sorted(fields))}")
+        for key in ("name", "config", "source"):
+            _require(isinstance(job.get(key), str), where, f"missing {key!r} (a string)")
+        for key in ("epochs", "exclude_largest_groups", "seed"):
+            _require(isinstance(job.get(key, 0), int) and job.get(key, 0) >= 0,
+                     f"{where}.{key}", "must be an integer >= 0")
+        jobs.append(PretrainJob(job["name"], job["config"], job["source"],
+                                _strings(job.get("overrides", []), f"{where}.overrides"),
+                                int(job.get("epochs", 3)),
+                                int(job.get("exclude_largest_groups", 0)), int(job.get("seed", 0))))
+    names = [j.name for j in jobs]
+    _require(len(set(names)) == len(names), "pretrain", "job names must be unique")
     out = Path(out_dir or raw.get("out_dir", f"runs/study-{raw.get('name', path.stem)}"))
-    return Plan(str(raw.get("name", path.stem)), out, tuple(sweeps))
+    return Plan(str(raw.get("name", path.stem)), out, tuple(sweeps), tuple(jobs))
 
 
 def _key(sweep: str, arm: str, t0, alpha, seed) -> str:
@@ -176,15 +224,78 @@ def plan_runs(plan: Plan) -> list[RunSpec]:
     return specs
 
 
-def _config(spec: RunSpec, t0: int | None):
-    from real_data.config import load_config
-
+def _overrides(spec: RunSpec, t0: int | None) -> list[str]:
     extra = [f"seed={spec.seed}", "run.progress=false"]
     if spec.alpha is not None:
         extra.append(f"partition.alpha={spec.alpha}")
     if t0 is not None:
         extra += [f"algorithm.warmup_rounds={t0}", "algorithm.warmup=fixed"]
-    return load_config(spec.sweep.config, [*spec.sweep.overrides, *spec.arm.overrides, *extra])
+    out_dir = str(spec.run_dir.parents[3])  # run_dir = out_dir/<sweep>/<arm>/<alpha>/<seed>
+    return [o.replace("{out_dir}", out_dir)
+            for o in (*spec.sweep.overrides, *spec.arm.overrides, *extra)]
+
+
+def _config(spec: RunSpec, t0: int | None):
+    from real_data.config import load_config
+
+    return load_config(spec.sweep.config, _overrides(spec, t0))
+
+
+def _run_rounds(spec: RunSpec) -> int:
+    """Rounds the run trains itself (a T0 branch only trains after its snapshot)."""
+    return int(_config(spec, None).train.rounds)
+
+
+def _group_cost(members: list[RunSpec]) -> float:
+    rounds = _run_rounds(members[0])
+    cost = rounds + sum(rounds - (m.warmup_rounds or 0) for m in members[1:])
+    return cost * (0.3 if members[0].arm.reference else 1.0)  # one client: a fraction of a round
+
+
+def shard_groups(groups: list[list[RunSpec]], shard: tuple[int, int]) -> list[list[RunSpec]]:
+    """The ``k``-th of ``n`` parts of ``groups``, balanced by rounds (longest first, each to
+    the least-loaded part; deterministic, so n workers given the same groups split them).
+
+    A part keeps the plan's sweep order and runs its longest groups of a sweep first, so a
+    worker stopped by a time limit leaves the short groups of the last sweep it reached.
+    """
+    k, n = shard
+    costs = [_group_cost(g) for g in groups]
+    loads, owner = [0.0] * n, {}
+    for i in sorted(range(len(groups)), key=lambda i: (-costs[i], i)):
+        j = min(range(n), key=lambda j: (loads[j], j))
+        loads[j] += costs[i]
+        owner[i] = j
+    sweep_order = {name: i for i, name in enumerate(dict.fromkeys(g[0].sweep.name
+                                                                   for g in groups))}
+    mine = [i for i in range(len(groups)) if owner[i] == k]
+    mine.sort(key=lambda i: (sweep_order[groups[i][0].sweep.name], -costs[i], i))
+    return [groups[i] for i in mine]
+
+
+def ensure_pretrained(plan: Plan, specs: list[RunSpec], log=print) -> list[Path]:
+    """Run every pretraining job a selected run needs and that is missing; returns the files
+    written. The file is written under a temporary name and renamed, so a killed job leaves
+    nothing that looks finished."""
+    from real_data.config import load_config
+    from real_data.pretrain import PretrainSettings, run_pretrain
+
+    wanted = {o for s in specs for o in _overrides(s, s.warmup_rounds)}
+    written = []
+    for job in plan.pretrain:
+        path = plan.pretrained_path(job)
+        if path.is_file() or not any(str(path) in o for o in wanted):
+            continue
+        log(f"pretrain {job.name} on {job.source} -> {path}")
+        tmp = path.with_suffix(f".tmp{os.getpid()}.pt")  # workers never share a temporary
+        settings = PretrainSettings(job.source, epochs=job.epochs, seed=job.seed,
+                                    exclude_largest_groups=job.exclude_largest_groups)
+        meta = run_pretrain(load_config(job.config, list(job.overrides)), settings, tmp)
+        tmp.replace(path)
+        log(f"pretrain {job.name}: source test_acc {meta['source_test_acc']:.4f} "
+            f"({meta['samples']} samples, {meta['wall_time_s']:.0f} s)")
+        written.append(path)
+    return written
 
 
 def _status(run_dir: Path) -> str:
@@ -194,24 +305,40 @@ def _status(run_dir: Path) -> str:
     return "partial" if run_dir.exists() else "missing"
 
 
-def run_study(plan: Plan, pattern: str | None = None, max_runs: int | None = None,
-              budget_s: float | None = None, log=print) -> dict:
-    """Run what is missing, resume what was interrupted; returns counts by outcome."""
+def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int | None = None,
+              budget_s: float | None = None, log=print,
+              shard: tuple[int, int] | None = None, pretrain_only: bool = False) -> dict:
+    """Run what is missing, resume what was interrupted; returns counts by outcome.
+
+    ``shard=(k, n)``: only the k-th of n cost-balanced parts of the selected groups (the split
+    ignores what is already done, so it never depends on when a worker starts).
+    """
     from real_data.runs import resume_run, start_run
 
-    specs = [s for s in plan_runs(plan) if pattern is None or fnmatch.fnmatch(s.key, pattern)]
-    if pattern is not None and not specs:
-        raise ConfigError(f"--slice {pattern!r} matches no run of plan {plan.name!r}; "
-                          "`linattn study --plan ... --list` shows the run keys")
+    patterns = [pattern] if isinstance(pattern, str) else list(pattern or [])
+    specs = [s for s in plan_runs(plan)
+             if not patterns or any(fnmatch.fnmatch(s.key, p) for p in patterns)]
+    for p in patterns:
+        if not any(fnmatch.fnmatch(s.key, p) for s in specs):
+            raise ConfigError(f"--slice {p!r} matches no run of plan {plan.name!r}; "
+                              "`linattn study --plan ... --list` shows the run keys")
     # check every config before anything runs, so a bad plan writes nothing
     for s in specs:
         _config(s, s.warmup_rounds)
     groups: dict[tuple, list[RunSpec]] = {}
     for s in specs:
         groups.setdefault((s.sweep.name, s.arm.name, s.alpha, s.seed), []).append(s)
+    todo = list(groups.values())
+    if shard is not None:
+        todo = shard_groups(todo, shard)  # over the whole selection: workers started at any
+        # time agree on the split, whatever the others have finished meanwhile
+    ensure_pretrained(plan, [m for g in todo for m in g
+                             if _status(m.run_dir) != "completed"], log)
+    if pretrain_only:
+        return {"pretrained": sum(plan.pretrained_path(j).is_file() for j in plan.pretrain)}
     counts = {"skipped": 0, "resumed": 0, "started": 0, "branched": 0, "left": 0}
     start, done = time.perf_counter(), 0
-    for (_, _, _, _), members in groups.items():
+    for members in todo:
         if (max_runs is not None and done >= max_runs) or (
                 budget_s is not None and time.perf_counter() - start > budget_s):
             counts["left"] += sum(_status(m.run_dir) != "completed" for m in members)
@@ -410,6 +537,47 @@ def write_tables(rows: list[dict], out_dir: Path) -> list[Path]:
             f"| {_fmt(r['seconds_per_round_mean'], r['seconds_per_round_std'])} |")
     paths[2].write_text("\n".join(lines) + "\n")
     return paths
+
+
+def pack_results(plan: Plan, dest: Path) -> dict:
+    """Write ``dest`` (.tar.xz): every completed run's metrics, summary and config, and its
+    warm-up snapshots reduced to the Q/K weights the kernel deviation reads; plus the tables.
+    Unpacking it into a clean ``out_dir`` and running ``--aggregate-only`` gives the same
+    tables (model checkpoints and client states stay behind: they are large and rebuilt by
+    re-running a run)."""
+    import io
+    import tarfile
+
+    import torch
+
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
+    counts = {"runs": 0, "snapshots": 0}
+    with tarfile.open(tmp, "w:xz") as tar:
+        for spec in plan_runs(plan):
+            if _status(spec.run_dir) != "completed":
+                continue
+            counts["runs"] += 1
+            for name in ("metrics.csv", "summary.json", "config.yaml"):
+                if (spec.run_dir / name).is_file():
+                    tar.add(spec.run_dir / name, arcname=f"{spec.key}/{name}")
+            for snap in sorted((spec.run_dir / "checkpoints").glob("round_*.pt")):
+                state = torch.load(snap, map_location="cpu", weights_only=False)
+                qk = {n: t for n, t in state["global_params"].items()
+                      if n.endswith(("attn.q.weight", "attn.k.weight"))}
+                buf = io.BytesIO()
+                torch.save({"global_params": qk}, buf)
+                info = tarfile.TarInfo(f"{spec.key}/checkpoints/{snap.name}")
+                info.size = buf.tell()
+                buf.seek(0)
+                tar.addfile(info, buf)
+                counts["snapshots"] += 1
+        tables = plan.out_dir / "tables"
+        if tables.is_dir():
+            tar.add(tables, arcname="tables")
+    tmp.replace(dest)
+    return counts
 
 
 def replace_out(plan: Plan, out_dir: Path) -> Plan:

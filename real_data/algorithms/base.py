@@ -74,6 +74,9 @@ class AlgorithmContext:
     seed : int
         Seed for randomness the algorithm owns (a hypernetwork's initial weights); the run
         passes its training seed.
+    model : dict or None
+        The completed model configuration (architecture fields such as ``attention`` and
+        ``activation``), so an algorithm loading external weights can check they fit.
     """
 
     groups: tuple[ParamGroup, ...]
@@ -84,6 +87,7 @@ class AlgorithmContext:
     local_steps: int | None
     optimizer: OptimizerSpec
     seed: int = 0
+    model: dict | None = None
 
     @property
     def names(self) -> tuple[str, ...]:

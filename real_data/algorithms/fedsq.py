@@ -161,7 +161,14 @@ class FedSQ(Algorithm):
     def _load(self, path: str) -> dict[str, torch.Tensor]:
         from real_data.pretrain import load_pretrained
 
-        loaded, _ = load_pretrained(path)
+        loaded, meta = load_pretrained(path)
+        trained_on, ours = meta.get("model_config") or {}, self.ctx.model or {}
+        for key in ("attention", "activation", "dim", "depth", "heads", "mlp_dim"):
+            if key in trained_on and key in ours and trained_on[key] != ours[key]:
+                raise UserError(f"algorithm.pretrained={path}: pretrained with model.{key}="
+                                f"{trained_on[key]!r}, this run has model.{key}={ours[key]!r}; "
+                                "pretrain with the run's model (linattn pretrain --config "
+                                "<run config> ... model.<key>=<value>)")
         missing = [n for n in self.ctx.names if n not in loaded]
         if missing or set(loaded) - set(self.ctx.names):
             raise UserError(f"algorithm.pretrained={path}: its parameters do not match the "

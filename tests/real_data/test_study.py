@@ -99,3 +99,83 @@ def test_slice_that_matches_nothing_is_an_error(tmp_path):
     with pytest.raises(ConfigError, match="matches no run"):
         study.run_study(plan, pattern="digits/nonexistent/*", log=lambda *_: None)
     assert not (tmp_path / "out").exists()
+
+
+def test_shards_split_the_groups_disjointly_and_cover_the_plan(tmp_path):
+    data = yaml.safe_load(yaml.safe_dump(PLAN))
+    data["seeds"] = [0, 1]
+    plan = _plan(tmp_path, data)
+    groups: dict = {}
+    for s in study.plan_runs(plan):
+        groups.setdefault((s.arm.name, s.seed), []).append(s)
+    parts = [study.shard_groups(list(groups.values()), (k, 3)) for k in range(3)]
+    keys = [[m.key for g in part for m in g] for part in parts]
+    flat = [k for part in keys for k in part]
+    assert sorted(flat) == sorted(s.key for s in study.plan_runs(plan))  # each run exactly once
+    assert all(part for part in keys)  # 6 groups over 3 shards: none idle
+    # two workers, one after the other here, finish the whole plan between them
+    a = study.run_study(plan, shard=(0, 2), log=lambda *_: None)
+    b = study.run_study(plan, shard=(1, 2), log=lambda *_: None)
+    assert a["started"] + b["started"] == 6 and a["branched"] + b["branched"] == 2
+    assert all(study._status(s.run_dir) == "completed" for s in study.plan_runs(plan))
+    again = study.run_study(plan, shard=(0, 2), log=lambda *_: None)  # nothing left
+    assert again["started"] == again["branched"] == again["resumed"] == 0
+
+
+def test_plan_pretraining_runs_once_and_feeds_fedsq(tmp_path):
+    data = yaml.safe_load(yaml.safe_dump(PLAN))
+    data["pretrain"] = [{"name": "src", "config": "digits_vit", "source": "digits", "epochs": 1,
+                         "overrides": ["model.depth=1", "model.dim=8", "model.activation=relu"]}]
+    data["sweeps"][0]["arms"] = [{"name": "fedsq", "overrides": [
+        "algorithm.name=fedsq", "model.activation=relu", "algorithm.init=pretrained",
+        "algorithm.pretrained={out_dir}/pretrained/src.pt"]}]
+    plan = _plan(tmp_path, data)
+    counts = study.run_study(plan, pretrain_only=True, log=lambda *_: None)
+    path = tmp_path / "out" / "pretrained" / "src.pt"
+    assert counts == {"pretrained": 1} and path.is_file()
+    assert not list(path.parent.glob("*.tmp*"))  # written under a temporary name, renamed
+    stamp = path.stat().st_mtime_ns
+    study.run_study(plan, log=lambda *_: None)
+    assert path.stat().st_mtime_ns == stamp  # not redone
+    run = study.plan_runs(plan)[0].run_dir
+    assert study._status(run) == "completed"
+    assert str(path) in (run / "config.yaml").read_text()
+
+
+def test_fedsq_refuses_weights_pretrained_with_another_attention(tmp_path):
+    from real_data.errors import UserError
+
+    data = yaml.safe_load(yaml.safe_dump(PLAN))
+    data["pretrain"] = [{"name": "src", "config": "digits_vit", "source": "digits", "epochs": 1,
+                         "overrides": ["model.depth=1", "model.dim=8", "model.activation=relu",
+                                       "model.attention=softmax"]}]
+    data["sweeps"][0]["overrides"].append("model.attention=linear")
+    data["sweeps"][0]["arms"] = [{"name": "fedsq", "overrides": [
+        "algorithm.name=fedsq", "model.activation=relu", "algorithm.init=pretrained",
+        "algorithm.pretrained={out_dir}/pretrained/src.pt"]}]
+    plan = _plan(tmp_path, data)
+    with pytest.raises(UserError, match="model.attention='softmax'"):
+        study.run_study(plan, log=lambda *_: None)
+
+
+def test_pretraining_can_leave_out_the_federated_groups():
+    import numpy as np
+    import torch
+
+    from real_data.data.base import TensorDataset
+    from real_data.errors import UserError
+    from real_data.pretrain import PretrainSettings, source_indices
+
+    sizes = [5, 9, 2, 7]  # group 1 and 3 are the two largest
+    groups, start = [], 0
+    for n in sizes:
+        groups.append(np.arange(start, start + n))
+        start += n
+    x = torch.zeros(start, 4, dtype=torch.long)
+    ds = TensorDataset("toy", "text", x, x, x[:2], x[:2], 10, tuple(groups),
+                       tuple(np.arange(1) for _ in sizes), ("a", "b", "c", "d"))
+    kept = source_indices(ds, PretrainSettings("toy", exclude_largest_groups=2)).numpy()
+    assert kept.tolist() == [*groups[0], *groups[2]]
+    assert len(source_indices(ds, PretrainSettings("toy"))) == start
+    with pytest.raises(UserError, match="exclude-largest-groups"):
+        source_indices(ds, PretrainSettings("toy", exclude_largest_groups=4))

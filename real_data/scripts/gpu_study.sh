@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Run a study plan on every GPU of this machine, several worker processes per GPU, for a fixed
+# wall time; then aggregate and pack what finished. Interrupted runs resume on the next call
+# (their checkpoints stay in the plan's out_dir on this machine).
+# Usage: bash real_data/scripts/gpu_study.sh PLAN SECONDS WORKERS_PER_GPU OUTDIR [--slice GLOB ...]
+# Data: LINATTN_DATA must point at a folder holding the packed data sets (`linattn data pack`).
+set -uo pipefail
+plan=${1:?usage: gpu_study.sh PLAN SECONDS WORKERS_PER_GPU OUTDIR [--slice GLOB ...]}
+seconds=${2:?seconds}; per_gpu=${3:?workers per gpu}; out=${4:?outdir}; shift 4
+mkdir -p "$out/logs"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+ngpu=$(nvidia-smi -L | wc -l)
+workers=$((ngpu * per_gpu))
+start=$(date +%s)
+python -m linattn study --plan "$plan" --pretrain-only "$@" 2>&1 | tee "$out/logs/pretrain.log"
+left=$((seconds - ($(date +%s) - start)))
+for ((k = 0; k < workers; k++)); do
+  CUDA_VISIBLE_DEVICES=$((k % ngpu)) timeout -s KILL "$left" \
+    python -m linattn study --plan "$plan" --shard "$k/$workers" "$@" > "$out/logs/worker_$k.log" 2>&1 &
+done
+( while sleep 60; do nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader; done ) \
+  > "$out/logs/utilization.log" 2>&1 &
+monitor=$!
+wait $(jobs -p | grep -v "^$monitor$") 2>/dev/null
+kill "$monitor" 2>/dev/null
+echo "workers stopped after $(($(date +%s) - start)) s"
+python -m linattn study --plan "$plan" --list | awk '{print $1}' | sort | uniq -c
+python -m linattn study --plan "$plan" --aggregate-only --pack "$out/study_runs.tar.xz" | tail -2
+tar -czf "$out/logs.tar.gz" -C "$out" logs && rm -rf "$out/logs"
