@@ -26,11 +26,27 @@ def rng_states() -> dict:
 
 
 def restore_rng_states(states: dict) -> None:
-    torch.set_rng_state(states["torch"])
+    """Restore the generators; the states must be CPU byte tensors (as ``rng_states`` gives and
+    ``load_checkpoint`` returns them, whatever device the run itself uses)."""
+    torch.set_rng_state(states["torch"].cpu())
     np.random.set_state(states["numpy"])
     random.setstate(states["python"])
     if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+        cuda = [s.cpu() for s in states["cuda"]][: torch.cuda.device_count()]
+        for index, state in enumerate(cuda):
+            torch.cuda.set_rng_state(state, index)
+
+
+def _to_device(obj, device: torch.device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        moved = [_to_device(v, device) for v in obj]
+        return type(obj)(moved) if isinstance(obj, list) or not hasattr(obj, "_fields") \
+            else type(obj)(*moved)
+    return obj
 
 
 def save_checkpoint(path: Path, state: FedState, extra: dict) -> None:
@@ -48,8 +64,13 @@ def save_checkpoint(path: Path, state: FedState, extra: dict) -> None:
 
 
 def load_checkpoint(path: Path, device: torch.device) -> tuple[FedState, dict, dict]:
-    """(state, extra, rng states) from a checkpoint file (our own files: full unpickling)."""
-    payload = torch.load(path, map_location=device, weights_only=False)
-    state = FedState(payload["round"], payload["global_params"], payload["client_state"],
-                     payload["server_state"], payload["prev_grad_norm_last"])
+    """(state, extra, rng states) from a checkpoint file (our own files: full unpickling).
+
+    The model state goes to ``device``; the generator states stay on the CPU, where
+    ``torch.set_rng_state`` needs them (loading them onto a GPU broke resuming CUDA runs).
+    """
+    payload = torch.load(path, map_location="cpu", weights_only=False)
+    state = FedState(payload["round"], _to_device(payload["global_params"], device),
+                     _to_device(payload["client_state"], device),
+                     _to_device(payload["server_state"], device), payload["prev_grad_norm_last"])
     return state, payload["extra"], payload["rng"]

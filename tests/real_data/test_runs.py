@@ -146,3 +146,28 @@ def test_sweep_command_writes_an_index(tmp_path, capsys):
     assert code == 0
     rows = (tmp_path / "s" / "sweep.csv").read_text().splitlines()
     assert len(rows) == 5 and rows[1].split(",")[1:3] == ["fedavg", "0"]
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                         reason="needs a CUDA GPU"))])
+def test_checkpoint_loads_generators_on_the_cpu_and_restores_them(tmp_path, device):
+    """Resuming a CUDA run once failed: the RNG states were loaded onto the GPU, and
+    torch.set_rng_state needs a CPU byte tensor. The model state goes to the run's device."""
+    from real_data.checkpoint import load_checkpoint, restore_rng_states, save_checkpoint
+    from real_data.federation import FedState
+
+    dev = torch.device(device)
+    state = FedState(3, {"w": torch.ones(2, device=dev)}, {0: {"c": torch.zeros(2, device=dev)}},
+                     {"m": [torch.ones(1, device=dev)]}, 1.5)
+    torch.manual_seed(7)
+    save_checkpoint(tmp_path / "c.pt", state, {"elapsed": 1.0})
+    expected = torch.rand(3)
+    loaded, extra, rng = load_checkpoint(tmp_path / "c.pt", dev)
+    assert rng["torch"].device.type == "cpu" and extra == {"elapsed": 1.0}
+    assert loaded.global_params["w"].device.type == dev.type
+    assert loaded.client_state[0]["c"].device.type == dev.type
+    assert loaded.server_state["m"][0].device.type == dev.type
+    torch.rand(5)  # move the generator on; restoring must bring it back
+    restore_rng_states(rng)
+    assert torch.equal(torch.rand(3), expected)
