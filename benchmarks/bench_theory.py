@@ -5,26 +5,34 @@ dynamics for 50 T0 values x 500 rounds under 2 s; both on one CPU core. BLAS is 
 thread (OMP/OPENBLAS/MKL_NUM_THREADS=1, set before numpy is imported) and the process is pinned
 to one core. Every row is the median of several repeats after one untimed warm-up call; wall
 time and CPU time (process_time) are both reported, and the target is judged on the median CPU
-time, which a shared, loaded machine inflates far less than wall time.
+time. Rows that take a problem build a fresh ``make_problem(...)`` for every call outside the
+timed region (a Problem caches products of its covariances and teachers on first use, so a
+reused one would hide that cost). Each row also records a calibration workload (a fixed
+numpy loop, ``_calibration``) before and after it: this VM's core runs about 1.6-1.8x slower
+for seconds at a time (calibration ~0.20 ms when fast, 0.31-0.35 ms when slow, load average
+below 1 either way), which moves every row by the same factor.
 
-Measured on 2026-11-26 over five runs (2-core shared AMD EPYC VM, load average 2.3-6.9 from
-other jobs, so wall times are inflated and the CPU times are the figures to read; numpy 2.4 with
-OpenBLAS; docs/bench/theory.json holds the last run and its machine record):
+Measured on 2026-11-26 (2-core shared AMD EPYC VM, numpy 2.4 with OpenBLAS, Python 3.11;
+docs/bench/theory.json holds the last run, its machine record and calibrations), CPU ms:
 
-- recommend_warmup(WarmupConstants), T = 200: 0.04-0.1 ms CPU -- meets 50 ms.
-- recommend_warmup(problem, lr=0.05, local_steps=5, total_rounds=200), constants estimated:
-  d = 8 / 10 clients 0.65-1.3 s, d = 16 / 20 clients 3.1-4.2 s CPU -- misses 50 ms by
-  13-85x. Passing phi_star saves little (estimate_constants still solves the profile once for
-  M_*). At d = 16 the time goes to the 200-round exact warm-up path (~45%), the
-  finite-difference Hessians of F at three path points, 2 (d^2 + d d_y) gradient calls each
-  (~35%), and profile gradients / Hessian-vector products (~15%).
-- population_dynamics, 50 T0 x 500 rounds, K = 5: d = 8 / 10 clients 1.05-1.7 s CPU (meets
-  2 s on CPU time; wall 1.9-3.9 s under the load); d = 16 / 20 clients 3.5-4.7 s CPU (misses
-  2 s); ~85% of it is the shared 500-round warm-up (2C local copies, K closed-form gradient
-  evaluations per round, fourth_moment dominating).
-- solve_profile (4 restarts): 0.08-0.18 s (d = 8), 0.18-0.32 s (d = 16).
+- recommend_warmup(WarmupConstants), T = 200: 0.07-0.09 ms -- meets 50 ms.
+- recommend_warmup(problem, lr=0.05, local_steps=5, total_rounds=200), constants estimated
+  with ``fast=True``: d = 8 / 10 clients 19.8-21.1 ms when the core is fast (31-41 ms when
+  slow); d = 16 / 20 clients 36.2-41.8 ms fast -- meets 50 ms -- and 50-68 ms slow, which
+  misses it. Giving phi_star changes little (one L-BFGS solve runs either way, for M_*).
+  Before the speed-up (same machine, same day, one reused problem): 149-165 ms (d = 8) and
+  266-287 ms (d = 16). Where the d = 16 time goes now (cProfile): the 20-round exact warm-up
+  (FedAvg's and the reference's C local copies each, one batch) ~50%; the one-start L-BFGS
+  solve for Phi* ~20% (a third of it scipy's own overhead); the exact Hessians of F and Phi
+  and their 20/20/15 power iterations at two points ~12%; one-round drift probes,
+  frozen-stage maps and zeta ~10%.
+- population_dynamics, 50 T0 x 500 rounds, K = 5: d = 8 / 10 clients 282-320 ms fast
+  (478-610 ms slow); d = 16 / 20 clients 573-693 ms fast (597-1006 ms slow) -- meets 2 s.
+  Before: 852 ms and 2425 ms. ~85% of it is the shared 500-round warm-up.
+- solve_profile (4 restarts): 23-25 ms (d = 8), 39-47 ms (d = 16) fast, up to 45 and 64 ms
+  slow; before 68 and 185 ms.
 - `linattn warmup --heterogeneity 0.5 --local-steps 10 --lr 0.05` as a subprocess:
-  0.2-0.34 s CPU (wall 0.2-0.85 s with load); the bare interpreter takes 0.04-0.07 s.
+  0.16-0.24 s CPU; the bare interpreter takes 0.03-0.05 s.
 
 Usage: python benchmarks/bench_theory.py [--repeats N] [--output docs/bench/theory.json]
 """
@@ -38,6 +46,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
+import functools  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
@@ -70,17 +79,45 @@ def _pin_one_core() -> int | None:
     return core
 
 
-def _measure(fn, repeats: int) -> dict:
-    """Median wall and CPU seconds of ``fn()`` over ``repeats`` calls after one warm-up call."""
-    fn()
+def _calibration() -> float:
+    """Median CPU ms of a fixed numpy workload (400 stacked 16 x 16 products, 40 at a time).
+
+    Recorded before and after the whole run and before and after every timed row: on a shared
+    VM the speed of the core drifts by up to 2x for seconds at a time (about 0.2 ms here when
+    fast, 0.33-0.35 ms when slow), and this says which state a row was measured in.
+    """
+    a = np.random.default_rng(0).standard_normal((40, 16, 16))
+    times = []
+    for _ in range(15):
+        c0 = time.process_time()
+        for _ in range(10):
+            a @ a
+        times.append(time.process_time() - c0)
+    return 1e3 * statistics.median(times)
+
+
+def _measure(fn, repeats: int, fresh=None) -> dict:
+    """Median wall and CPU seconds of ``fn()`` over ``repeats`` calls after one warm-up call.
+
+    With ``fresh`` (a function returning a new argument), every call, the warm-up included,
+    gets its own ``fresh()`` made outside the timed region, and the row times ``fn(arg)``: a
+    Problem caches products of its covariances and teachers on first use
+    (``Problem.teacher_products``), and a fresh one makes each timed call compute them.
+    """
+    calls = ([fn] * (repeats + 1) if fresh is None
+             else [functools.partial(fn, fresh()) for _ in range(repeats + 1)])
+    before = _calibration()
+    calls[0]()
     wall, cpu = [], []
-    for _ in range(repeats):
+    for call in calls[1:]:
         w0, c0 = time.perf_counter(), time.process_time()
-        fn()
+        call()
         cpu.append(time.process_time() - c0)
         wall.append(time.perf_counter() - w0)
     return {"repeats": repeats, "wall_s": statistics.median(wall), "cpu_s": statistics.median(cpu),
-            "wall_min_s": min(wall), "wall_max_s": max(wall)}
+            "cpu_min_s": min(cpu), "cpu_max_s": max(cpu),
+            "wall_min_s": min(wall), "wall_max_s": max(wall),
+            "calibration_ms": [before, _calibration()]}
 
 
 def _measure_subprocess(argv: list[str], repeats: int) -> dict:
@@ -149,8 +186,10 @@ def run(repeats: int) -> list[dict]:
         row["meets_target"] = None if target is None else bool(stats["cpu_s"] < target)
         rows.append(row)
         mark = "" if target is None else ("  ok" if row["meets_target"] else "  MISS")
+        calibration = ("" if "calibration_ms" not in stats else
+                       "  [cal {:.2f}/{:.2f} ms]".format(*stats["calibration_ms"]))
         print(f"  {name:<44} {stats['cpu_s'] * 1e3:>11.3f} ms cpu {stats['wall_s'] * 1e3:>11.3f}"
-              f" ms wall{mark}", flush=True)
+              f" ms wall{mark}{calibration}", flush=True)
 
     constants = WarmupConstants(delta0=1.0, pl_constant=0.5, smoothness=1.0, heterogeneity=0.5,
                                 grad_bound=1.0, lr=0.05, local_steps=10, total_rounds=200)
@@ -159,22 +198,30 @@ def run(repeats: int) -> list[dict]:
 
     grid = np.linspace(0, 500, 50).astype(int)
     for dim, clients in ((8, 10), (16, 20)):
-        problem, phi_star, start = _problem_setup(dim, clients)
+        _, phi_star, start = _problem_setup(dim, clients)
+
+        def fresh(d=dim, c=clients):
+            return make_problem(dim=d, num_clients=c, seed=0)
+
         params = {"dim": dim, "clients": clients, "lr": LR, "local_steps": LOCAL_STEPS}
         add(f"recommend_warmup(problem) d={dim} C={clients}",
-            {**params, "total_rounds": 200},
-            _measure(lambda p=problem: recommend_warmup(p, lr=LR, local_steps=LOCAL_STEPS,
-                                                        total_rounds=200), repeats), 0.05)
+            {**params, "total_rounds": 200, "fresh_problem_per_call": True},
+            _measure(lambda p: recommend_warmup(p, lr=LR, local_steps=LOCAL_STEPS,
+                                                total_rounds=200), repeats, fresh), 0.05)
         add(f"  same, phi_star given d={dim} C={clients}",
-            {**params, "total_rounds": 200, "phi_star_given": True},
-            _measure(lambda p=problem, s=phi_star: recommend_warmup(
-                p, lr=LR, local_steps=LOCAL_STEPS, total_rounds=200, phi_star=s), repeats), 0.05)
+            {**params, "total_rounds": 200, "phi_star_given": True,
+             "fresh_problem_per_call": True},
+            _measure(lambda p, s=phi_star: recommend_warmup(
+                p, lr=LR, local_steps=LOCAL_STEPS, total_rounds=200, phi_star=s), repeats,
+                fresh), 0.05)
         add(f"population_dynamics 50 T0 x 500 d={dim} C={clients}",
-            {**params, "total_rounds": 500, "warmup_values": int(grid.size)},
-            _measure(lambda p=problem, s=phi_star, x=start: population_dynamics(
-                p, x, LR, LOCAL_STEPS, 500, grid, s), repeats), 2.0)
-        add(f"solve_profile d={dim} C={clients}", {"dim": dim, "clients": clients, "restarts": 4},
-            _measure(lambda p=problem: solve_profile(p), repeats))
+            {**params, "total_rounds": 500, "warmup_values": int(grid.size),
+             "fresh_problem_per_call": True},
+            _measure(lambda p, s=phi_star, x=start: population_dynamics(
+                p, x, LR, LOCAL_STEPS, 500, grid, s), repeats, fresh), 2.0)
+        add(f"solve_profile d={dim} C={clients}",
+            {"dim": dim, "clients": clients, "restarts": 4, "fresh_problem_per_call": True},
+            _measure(lambda p: solve_profile(p), repeats, fresh))
 
     exe = shutil.which("linattn", path=str(Path(sys.executable).parent))
     cli = [exe] if exe else [sys.executable, "-m", "linattn"]
@@ -195,7 +242,10 @@ def main() -> int:
     print(f"linattn_theory benchmark on one core ({machine['cpu_model']}, core {core}, "
           f"load {machine['load_average']})")
     started = time.perf_counter()
+    calibration = [_calibration()]
     rows = run(args.repeats)
+    calibration.append(_calibration())
+    print(f"calibration workload: {calibration[0]:.3f} ms before, {calibration[1]:.3f} ms after")
     # the docstring records measured numbers and is edited after a run: hash the code below it
     source = Path(__file__).read_text()
     code = source[source.index('"""', 3) + 3:].encode()
@@ -206,6 +256,8 @@ def main() -> int:
         "machine": {**machine, "load_average_end": list(os.getloadavg())
                     if hasattr(os, "getloadavg") else None},
         "results": rows,
+        "calibration_ms": {"before": calibration[0], "after": calibration[1],
+                           "what": _calibration.__doc__.split("\n")[0]},
         "total_wall_s": time.perf_counter() - started,
         "script": {"path": "benchmarks/bench_theory.py",
                    "code_sha256": hashlib.sha256(code).hexdigest(),

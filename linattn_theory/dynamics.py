@@ -17,15 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from linattn_theory.errors import ParameterError, require
-from linattn_theory.frozen import _check_steps, local_value_maps
-from linattn_theory.objectives import (
-    factored_gradients,
-    global_losses,
-    local_gradients,
-    value_quadratic,
-)
+from linattn_theory.frozen import _check_steps, frozen_stages
+from linattn_theory.objectives import _gradient_kernel, pooled_terms
 from linattn_theory.problem import Problem
-from linattn_theory.profile import profile_values
 
 PARAMETRIZATIONS = ("merged", "factored")
 
@@ -75,46 +69,62 @@ def initial_point(problem: Problem, scale: float = 0.3, parametrization: str = "
     return InitialPoint(kernel=query @ key.T, value=value, query=query, key=key)
 
 
-def _round(problem: Problem, doubled: Problem, state: tuple, ref: tuple, lr: float,
-           local_steps: int):
-    """One round of FedAvg (eq. 19) and of the drift-free reference (eq. 20), batched together.
+def _rounds(problem: Problem, state: tuple, ref: tuple, lr: float, local_steps: int):
+    """Rounds of FedAvg (eq. 19) and of the drift-free reference (eq. 20), batched together.
 
-    The C local copies of FedAvg and C copies of the reference state form one batch of 2C;
-    the reference's copies are identical, so averaging their gradients with p_m gives grad F
-    and the reference takes centralized GD steps.
+    ``state`` and ``ref`` hold parameters ((M, V) merged, (W_Q, W_K, V) factored) with a
+    leading batch axis (B_f and B_r independent starting points, which may differ). Every
+    point gets C local copies, and all (B_f + B_r) C copies take their K local steps as one
+    batch: FedAvg's copies step on their own f_m; a reference point's copies are identical,
+    so averaging their gradients with p_m gives grad F and the reference takes centralized
+    GD steps. Returns (FedAvg's new points, the reference's new points), same shapes.
     """
     c, p = problem.num_clients, problem.weights
-    local = [np.concatenate([np.broadcast_to(x, (c, *x.shape)),
-                             np.broadcast_to(y, (c, *y.shape))]) for x, y in zip(state, ref)]
+    fed = state[0].shape[0]
+    local = []
+    for x, y in zip(state, ref):
+        both = np.empty((fed + y.shape[0], c, *x.shape[1:]))
+        both[:fed] = x[:, None]
+        both[fed:] = y[:, None]
+        local.append(both)
+    _local_steps(problem, local, fed, lr, local_steps)
+    new_state = tuple((p @ x[:fed].reshape(fed, c, -1)).reshape(fed, *x.shape[2:])
+                      for x in local)
+    return new_state, tuple(x[fed:, 0].copy() for x in local)
+
+
+def _local_steps(problem: Problem, local: list, fed: int, lr: float, local_steps: int) -> None:
+    """K local GD steps, in place, on ``local`` = [M, V] or [W_Q, W_K, V], each (B, C, ...).
+
+    Rows ``[:fed]`` are FedAvg's client copies (each steps on its own f_m); rows ``[fed:]`` are
+    reference points (their gradients are averaged with p_m, i.e. grad F). The ridges of f_m
+    enter as the factor (1 - eta lambda) on the parameter: x - eta (g + lambda x).
+    """
+    c, p, n = problem.num_clients, problem.weights, problem.context_length
+    covariances, products = problem.covariances, problem.teacher_products
+    refs = local[0].shape[0] - fed
+    merged = len(local) == 2
+    if merged:
+        shrink = (1 - lr * problem.kernel_ridge, 1 - lr * problem.ridge)
+    else:
+        shrink = (1.0, 1.0, 1 - lr * problem.ridge)
+    shapes = [(refs, c, -1) for _ in local]
     for _ in range(local_steps):
-        grads = _gradients(doubled, local)
-        for x, g in zip(local, grads):
-            x[:c] -= lr * g[:c]
-            x[c:] -= lr * np.tensordot(p, g[c:], axes=1)[None]
-    return (tuple(np.tensordot(p, x[:c], axes=1) for x in local), tuple(x[c] for x in local))
-
-
-def _gradients(doubled: Problem, local: list) -> tuple:
-    if len(local) == 2:
-        return local_gradients(doubled, local[0], local[1])
-    return factored_gradients(doubled, local[0], local[1], local[2])
-
-
-def _doubled(problem: Problem) -> Problem:
-    """The problem with its clients listed twice (weights halved), for the batched round."""
-    return Problem(
-        dim=problem.dim,
-        out_dim=problem.out_dim,
-        context_length=problem.context_length,
-        weights=np.concatenate([problem.weights, problem.weights]) / 2.0,
-        covariances=np.concatenate([problem.covariances] * 2),
-        kernel_teachers=np.concatenate([problem.kernel_teachers] * 2),
-        value_teachers=np.concatenate([problem.value_teachers] * 2),
-        ridge=problem.ridge,
-        kernel_ridge=problem.kernel_ridge,
-        noise=problem.noise,
-        knobs=dict(problem.knobs),
-    )
+        if merged:
+            # eta grad L_m (the kernel returns it scaled)
+            grads = _gradient_kernel(covariances, products, n, local[0], local[1], lr)[:2]
+        else:
+            query, key, value = local
+            kernel = query @ key.mT
+            grad_m, grad_v, _ = _gradient_kernel(covariances, products, n, kernel, value, lr)
+            grad_m += (lr * problem.kernel_ridge) * kernel
+            grads = (grad_m @ key, grad_m.mT @ query, grad_v)
+        for x, g, shape, a in zip(local, grads, shapes, shrink):
+            if refs:
+                g[fed:] = (p @ g[fed:].reshape(shape))[:, None].reshape(g[fed:, :1].shape)
+            if a != 1.0:
+                x *= a
+            x -= g
 
 
 def one_round(problem: Problem, kernel: np.ndarray, value: np.ndarray, lr: float,
@@ -122,14 +132,17 @@ def one_round(problem: Problem, kernel: np.ndarray, value: np.ndarray, lr: float
     """One FedAvg round (eq. 19) and one reference round (eq. 20) from the same (M, V).
 
     Returns ``((M_fedavg, V_fedavg), (M_reference, V_reference))``; their kernel difference
-    divided by eta K is the measured local-drift error e_t of eq. (22).
+    divided by eta K is the measured local-drift error e_t of eq. (22). Stacked inputs
+    (B, d, d) and (B, d, d_y) give stacked outputs (B independent rounds).
     """
-    state = (np.array(kernel, dtype=np.float64), np.array(value, dtype=np.float64))
-    return _round(problem, _doubled(problem), state, state, lr, local_steps)
-
-
-def _kernel(state: tuple) -> np.ndarray:
-    return state[0] if len(state) == 2 else state[0] @ state[1].T
+    m = np.array(kernel, dtype=np.float64)
+    v = np.array(value, dtype=np.float64)
+    single = m.ndim == 2
+    state = (m[None], v[None]) if single else (m, v)
+    fedavg, reference = _rounds(problem, state, state, lr, local_steps)
+    if single:
+        return tuple(x[0] for x in fedavg), tuple(x[0] for x in reference)
+    return fedavg, reference
 
 
 def warmup_paths(problem: Problem, start: InitialPoint, lr: float, local_steps: int, rounds: int):
@@ -142,30 +155,50 @@ def warmup_paths(problem: Problem, start: InitialPoint, lr: float, local_steps: 
     reference_kernels : ndarray, shape (rounds+1, d, d)
         M_bar_t.
     """
+    return _warmup_paths(problem, start, lr, local_steps, rounds)[:3]
+
+
+def _warmup_paths(problem: Problem, start: InitialPoint, lr: float, local_steps: int,
+                  rounds: int):
+    """:func:`warmup_paths` plus the reference's values and its pooled H, C, c (eq. 10)."""
     _check_steps(lr, local_steps)
     if start.parametrization == "merged":
-        state = (start.kernel.copy(), start.value.copy())
+        params = (start.kernel, start.value)
     else:
-        state = (start.query.copy(), start.key.copy(), start.value.copy())
-    ref = tuple(x.copy() for x in state)
-    doubled = _doubled(problem)
-    kernels, values, ref_kernels = [_kernel(state)], [state[-1]], [_kernel(ref)]
-    ref_values = [ref[-1]]
-    for t in range(rounds):
-        with np.errstate(over="ignore", invalid="ignore"):
-            state, ref = _round(problem, doubled, state, ref, lr, local_steps)
-        if not (np.all(np.isfinite(state[0])) and np.all(np.isfinite(ref[0]))):
-            raise ParameterError(
-                f"lr={lr:g} with local_steps={local_steps} diverged in warm-up round {t + 1}; "
-                "lr must be below the stability limit 2/L (see estimate_constants)"
-            )
-        kernels.append(_kernel(state))
-        values.append(state[-1])
-        ref_kernels.append(_kernel(ref))
-        ref_values.append(ref[-1])
+        params = (start.query, start.key, start.value)
+    c, p = problem.num_clients, problem.weights
+    # the global parameters of FedAvg (row 0) and of the reference (row 1) in every round,
+    # and the C local copies of each that one round of local steps updates in place
+    path = [np.empty((rounds + 1, 2, *x.shape)) for x in params]
+    local = [np.empty((2, c, *x.shape)) for x in params]
+    for x, y in zip(path, params):
+        x[0] = y
+    with np.errstate(over="ignore", invalid="ignore"):
+        for t in range(rounds):
+            for x, y in zip(path, local):
+                y[:] = x[t][:, None]
+            _local_steps(problem, local, 1, lr, local_steps)
+            for x, y in zip(path, local):
+                x[t + 1, 0] = (p @ y[0].reshape(c, -1)).reshape(x.shape[2:])
+                x[t + 1, 1] = y[1, 0]
+            if not np.isfinite(path[0][t + 1]).all():
+                raise ParameterError(
+                    f"lr={lr:g} with local_steps={local_steps} diverged in warm-up round "
+                    f"{t + 1}; lr must be below the stability limit 2/L (see estimate_constants)"
+                )
+    if len(path) == 2:
+        kernels, ref_kernels = path[0][:, 0], path[0][:, 1]
+    else:
+        kernels = path[0][:, 0] @ path[1][:, 0].mT
+        ref_kernels = path[0][:, 1] @ path[1][:, 1].mT
+    kernels, ref_kernels = kernels.copy(), ref_kernels.copy()
+    values, ref_values = path[-1][:, 0].copy(), path[-1][:, 1].copy()
     # centralized GD below its stability limit decreases F every step; an increase of the
     # reference's F means eta is past the limit on this path (oscillation or chaos)
-    ref_losses = global_losses(problem, np.array(ref_kernels), np.array(ref_values))
+    ref_terms = pooled_terms(problem, ref_kernels)
+    hessian, linear, constant = ref_terms
+    ref_losses = (0.5 * np.sum(ref_values * (hessian @ ref_values), axis=(1, 2))
+                  - np.sum(ref_values * linear, axis=(1, 2)) + constant)
     rises = np.flatnonzero(np.diff(ref_losses) > 1e-9 * np.maximum(1.0, np.abs(ref_losses[:-1])))
     if rises.size:
         t = int(rises[0])
@@ -174,7 +207,7 @@ def warmup_paths(problem: Problem, start: InitialPoint, lr: float, local_steps: 
             f"reference's F rose from {ref_losses[t]:.6g} to {ref_losses[t + 1]:.6g} in warm-up "
             f"round {t + 1}; lr must be below the stability limit 2/L along the path"
         )
-    return np.array(kernels), np.array(values), np.array(ref_kernels)
+    return kernels, values, ref_kernels, ref_values, ref_terms
 
 
 @dataclass(frozen=True)
@@ -229,7 +262,7 @@ class DynamicsResult:
 
 def _excess(hessian, optimum, value):
     gap = value - optimum
-    return 0.5 * np.einsum("...ia,...ij,...ja->...", gap, hessian, gap)
+    return 0.5 * np.sum(gap * (hessian @ gap), axis=(-2, -1))
 
 
 def population_dynamics(problem: Problem, start: InitialPoint, lr: float, local_steps: int,
@@ -259,35 +292,24 @@ def population_dynamics(problem: Problem, start: InitialPoint, lr: float, local_
     require(bool(np.all((t0s >= 0) & (t0s <= total_rounds))), "warmup_rounds", t0s.tolist(),
             f"integers in [0, total_rounds={total_rounds}]")
     horizon = int(t0s.max())
-    kernels, values, ref_kernels = warmup_paths(problem, start, lr, local_steps, horizon)
+    kernels, values, ref_kernels, _, (ref_hess, ref_lin, ref_const) = _warmup_paths(
+        problem, start, lr, local_steps, horizon)
 
-    # per-round kernel quantities along the shared warm-up prefix
-    ref_phi = profile_values(problem, ref_kernels)
+    # per-round kernel quantities along the shared warm-up prefix (eq. 10)
+    ref_phi = ref_const - 0.5 * np.sum(ref_lin * np.linalg.solve(ref_hess, ref_lin), axis=(1, 2))
     dev_path = np.linalg.norm((kernels - ref_kernels).reshape(horizon + 1, -1), axis=1)
 
     # F(M_t, V_t) - Phi* = Phi(M_t) - Phi* + 1/2 ||V_t - V*(M_t)||_H^2 along the warm-up
-    p = problem.weights
-    h_all, lin_all, _ = value_quadratic(problem, kernels[:, None])
-    hess_all = np.einsum("c,ncij->nij", p, h_all) + problem.ridge * np.eye(problem.dim)
-    pooled_lin = np.einsum("c,ncia->nia", p, lin_all)
+    hess_all, pooled_lin, constant = pooled_terms(problem, kernels)
     opt_all = np.linalg.solve(hess_all, pooled_lin)
-    # Phi(M_t) of eq. (10) from the same quadratic (profile_values would rebuild it)
-    phi_path = (p @ problem.teacher_products.constants
-                + 0.5 * problem.kernel_ridge * np.sum(np.square(kernels), axis=(1, 2))
-                - 0.5 * np.sum(pooled_lin * opt_all, axis=(1, 2)))
+    phi_path = constant - 0.5 * np.sum(pooled_lin * opt_all, axis=(1, 2))
     warm_err = phi_path - phi_star + _excess(hess_all, opt_all, values)
 
     # frozen stage for every T0 at once: stack the maps of eq. (14) for kernels M_T0
-    h, lin = h_all[t0s], lin_all[t0s]  # (n, C, d, d), (n, C, d, d_y)
-    a, b = local_value_maps(h, lr, local_steps, problem.ridge)
-    transition = np.einsum("c,ncij->nij", p, a)
-    offset = np.einsum("c,ncij,ncja->nia", p, b, lin)
-    d = problem.dim
-    hess = hess_all[t0s]
-    optimum = opt_all[t0s]
-    fixed = np.linalg.solve(np.eye(d)[None] - transition, offset)
-    floor = np.maximum(_excess(hess, optimum, fixed), 0.0)
-    contraction = np.max(np.abs(np.linalg.eigvals(transition)), axis=-1)
+    hess, optimum = hess_all[t0s], opt_all[t0s]
+    stage = frozen_stages(problem, kernels[t0s], lr, local_steps, hess, optimum)
+    transition, offset = stage.transition, stage.offset
+    floor, contraction = stage.floor, stage.contraction
 
     n_runs, horizon_t = t0s.size, int(total_rounds)
     curves = np.full((n_runs, horizon_t + 1), np.nan)
@@ -297,9 +319,13 @@ def population_dynamics(problem: Problem, start: InitialPoint, lr: float, local_
     kernel_err = phi_path[t0s] - phi_star
     for t in range(int(t0s.min()), horizon_t):
         active = t0s <= t
-        v[active] = transition[active] @ v[active] + offset[active]
-        curves[active, t + 1] = kernel_err[active] + _excess(hess[active], optimum[active],
-                                                             v[active])
+        if active.all():
+            v = transition @ v + offset
+            curves[:, t + 1] = kernel_err + _excess(hess, optimum, v)
+        else:
+            v[active] = transition[active] @ v[active] + offset[active]
+            curves[active, t + 1] = kernel_err[active] + _excess(hess[active], optimum[active],
+                                                                 v[active])
     value_err = _excess(hess, optimum, v)
 
     def padded(x):

@@ -34,27 +34,54 @@ def _check_steps(lr: float, local_steps: int) -> None:
 def local_value_maps(hessians: np.ndarray, lr: float, local_steps: int, ridge: float):
     """A_m and B_m of eq. (13) for a batch of Hessians H_m (without ridge), shape (..., d, d).
 
-    Raises :class:`ParameterError` when eta >= 2 / lambda_max(H'_m) for some client (the
-    local GD map would expand).
+    With X = I - eta H'_m: A_m = X^K and B_m = eta sum_{k<K} X^k (the geometric sum, which
+    equals (I - A_m) H'_m^{-1} without dividing by H'_m), by K - 1 matrix products (binary
+    powering for large K). Raises :class:`ParameterError` when eta >= 2 / lambda_max(H'_m)
+    for some client (the local GD map would expand); the check is a Cholesky factorisation
+    of 2/eta I - H'_m, with the eigenvalues computed only for the error message.
     """
     _check_steps(lr, local_steps)
     d = hessians.shape[-1]
-    eig, vec = np.linalg.eigh(hessians + ridge * np.eye(d))
-    limit = 2.0 / float(np.max(eig))
-    if lr >= limit:
-        raise ParameterError(
-            f"lr={lr:g} is above the stability limit 2/lambda_max(H'_m) = {limit:.4g} of the "
-            f"local value problem; lr must be in (0, {limit:.4g})"
-        )
-    contraction = 1.0 - lr * eig  # eigenvalues of (I - eta H'_m)
-    a_eig = contraction**local_steps
-    # B_m eigenvalues: eta sum_{k<K} c^k = (1 - c^K)/lambda, written without dividing by 0
-    with np.errstate(divide="ignore", invalid="ignore"):
-        b_eig = np.where(np.abs(eig) > 1e-300, (1.0 - a_eig) / eig, lr * local_steps)
-    vt = np.swapaxes(vec, -1, -2)
-    a = (vec * a_eig[..., None, :]) @ vt
-    b = (vec * b_eig[..., None, :]) @ vt
-    return a, b
+    eye = np.eye(d)
+    shifted = hessians + ridge * eye
+    try:
+        np.linalg.cholesky((2.0 / lr) * eye - shifted)
+    except np.linalg.LinAlgError:
+        top = float(np.max(np.linalg.eigvalsh(shifted)))
+        limit = 2.0 / top if top > 0 else np.inf
+        if lr >= limit:
+            raise ParameterError(
+                f"lr={lr:g} is above the stability limit 2/lambda_max(H'_m) = {limit:.4g} of "
+                f"the local value problem; lr must be in (0, {limit:.4g})"
+            ) from None
+    step = eye - lr * shifted                      # I - eta H'_m
+    return _power_and_sum(step, int(local_steps), lr)
+
+
+def _power_and_sum(step: np.ndarray, count: int, lr: float):
+    """(X^K, eta sum_{k<K} X^k) for a batch of matrices X (they commute with each other)."""
+    eye = np.eye(step.shape[-1])
+    if count <= 8:
+        power, total = step, eye + step if count > 1 else np.broadcast_to(eye, step.shape)
+        for _ in range(count - 2):
+            power = power @ step
+            total = total + power
+        return (power @ step if count > 1 else step), lr * total
+    # binary powering: (X^a, S_a) and (X^b, S_b) combine to (X^(a+b), S_a + X^a S_b)
+    result_power, result_sum = None, None
+    base_power, base_sum = step, np.broadcast_to(eye, step.shape)
+    while count:
+        if count & 1:
+            if result_power is None:
+                result_power, result_sum = base_power, base_sum
+            else:
+                result_sum = result_sum + result_power @ base_sum
+                result_power = result_power @ base_power
+        count >>= 1
+        if count:
+            base_sum = base_sum + base_power @ base_sum
+            base_power = base_power @ base_power
+    return result_power, lr * result_sum
 
 
 @dataclass(frozen=True)
@@ -77,38 +104,61 @@ class FrozenStage:
         D_frozen(M).
     hessian : ndarray, shape (d, d)
         H(M) = sum_m p_m H_m + lambda I.
+
+    :func:`frozen_stages` returns the same fields for a stack of kernels, each with a leading
+    axis (``contraction`` and ``floor`` as arrays).
     """
 
     transition: np.ndarray
     offset: np.ndarray
     fixed_point: np.ndarray
     optimum: np.ndarray
-    contraction: float
-    floor: float
+    contraction: float | np.ndarray
+    floor: float | np.ndarray
     hessian: np.ndarray
+
+
+def frozen_stages(problem: Problem, kernels: np.ndarray, lr: float, local_steps: int,
+                  hessian: np.ndarray | None = None,
+                  optimum: np.ndarray | None = None) -> FrozenStage:
+    """The maps of eq. (14) and fixed points of eq. (15) for a stack of kernels (N, d, d).
+
+    ``hessian`` and ``optimum`` (H(M) and V*(M), shapes (N, d, d), (N, d, d_y)) are used
+    when the caller has them already. Ābar is symmetric (each A_m is a polynomial in the
+    symmetric H'_m), so its spectral radius is the largest |eigenvalue| from eigvalsh.
+    """
+    m = np.asarray(kernels, dtype=np.float64)
+    n, d = m.shape[0], problem.dim
+    c, p = problem.num_clients, problem.weights
+    h, lin, _ = value_quadratic(problem, m[:, None])
+    a, b = local_value_maps(h, lr, local_steps, problem.ridge)
+    transition = (p @ a.reshape(n, c, d * d)).reshape(n, d, d)
+    offset = (p @ (b @ lin).reshape(n, c, -1)).reshape(n, d, -1)
+    eye = np.eye(d)
+    fixed_point = np.linalg.solve(eye - transition, offset)
+    if hessian is None:
+        hessian = (p @ h.reshape(n, c, d * d)).reshape(n, d, d) + problem.ridge * eye
+    if optimum is None:
+        optimum = np.linalg.solve(hessian, (p @ lin.reshape(n, c, -1)).reshape(n, d, -1))
+    gap = fixed_point - optimum
+    floor = 0.5 * np.sum(gap * (hessian @ gap), axis=(1, 2))
+    contraction = np.max(np.abs(np.linalg.eigvalsh(transition)), axis=-1)
+    return FrozenStage(transition=transition, offset=offset, fixed_point=fixed_point,
+                       optimum=optimum, contraction=contraction,
+                       floor=np.maximum(floor, 0.0), hessian=hessian)
 
 
 def frozen_stage(problem: Problem, kernel: np.ndarray, lr: float, local_steps: int) -> FrozenStage:
     """Build the exact frozen-stage map of eq. (14) and its fixed point (eq. 15) for kernel M."""
-    h, lin, _ = value_quadratic(problem, kernel)
-    a, b = local_value_maps(h, lr, local_steps, problem.ridge)
-    p = problem.weights
-    transition = np.tensordot(p, a, axes=1)
-    offset = np.tensordot(p, b @ lin, axes=1)
-    d = problem.dim
-    fixed_point = np.linalg.solve(np.eye(d) - transition, offset)
-    hessian = np.tensordot(p, h, axes=1) + problem.ridge * np.eye(d)
-    optimum = np.linalg.solve(hessian, np.tensordot(p, lin, axes=1))
-    gap = fixed_point - optimum
-    floor = 0.5 * float(np.sum(gap * (hessian @ gap)))
+    stage = frozen_stages(problem, np.asarray(kernel, dtype=np.float64)[None], lr, local_steps)
     return FrozenStage(
-        transition=transition,
-        offset=offset,
-        fixed_point=fixed_point,
-        optimum=optimum,
-        contraction=float(np.max(np.abs(np.linalg.eigvals(transition)))),
-        floor=max(floor, 0.0),
-        hessian=hessian,
+        transition=stage.transition[0],
+        offset=stage.offset[0],
+        fixed_point=stage.fixed_point[0],
+        optimum=stage.optimum[0],
+        contraction=float(stage.contraction[0]),
+        floor=float(stage.floor[0]),
+        hessian=stage.hessian[0],
     )
 
 

@@ -17,14 +17,27 @@ from linattn_theory.errors import ParameterError, require
 
 @dataclass(frozen=True)
 class TeacherProducts:
-    """S V*, S M*, S M* S, S M* S V*, S M*^T S per client (shapes (C, d, .)) and c_m (eq. 6)."""
+    """Products of the covariances and teachers that the closed forms reuse (computed once).
+
+    Per client (shapes (C, d, .)): S V* (and its transpose), S M*, S M* S, S M* S V*,
+    S M*^T S, the Cholesky factor R of S = R R^T and its transpose, and c_m (eq. 6). Pooled
+    over clients with the weights p: ``linear_map``, the matrix of the linear map
+    M -> C(M) = sum_m p_m C_m(M) of eq. (10) on row-major vec(M), shape (d d_y, d^2), so that
+    C(M) = (linear_map @ M.ravel()).reshape(d, d_y) and, by adjointness, the teacher part of
+    grad_M F is -(linear_map.T @ V.ravel()); ``base`` = sum_m p_m c_m.
+    """
 
     constants: np.ndarray
     sw: np.ndarray
+    sw_t: np.ndarray
     sms: np.ndarray
     smss: np.ndarray
     smsw: np.ndarray
     smts: np.ndarray
+    chol: np.ndarray
+    chol_t: np.ndarray
+    linear_map: np.ndarray
+    base: float
 
 
 @dataclass(frozen=True, eq=False)
@@ -115,17 +128,32 @@ class Problem:
 
     @cached_property
     def teacher_products(self) -> TeacherProducts:
-        """Products of Sigma_m, M*_m, V*_m that the gradients reuse (computed once)."""
+        """Products of Sigma_m, M*_m, V*_m that the closed forms reuse (computed once)."""
         s, ms, vs = self.covariances, self.kernel_teachers, self.value_teachers
-        from linattn_theory.moments import fourth_moment
-
+        c, d, dy, n = self.num_clients, self.dim, self.out_dim, self.context_length
+        p = self.weights
         sms = s @ ms
         sw = s @ vs
-        g_star = fourth_moment(np.swapaxes(ms, 1, 2) @ s @ ms, s, self.context_length)
+        smss = sms @ s
+        smsw = sms @ sw
+        smts = s @ np.swapaxes(ms, 1, 2) @ s
+        chol = np.linalg.cholesky(s)
+        from linattn_theory.moments import fourth_moment
+
+        g_star = fourth_moment(np.swapaxes(ms, 1, 2) @ s @ ms, s, n)
         constants = 0.5 * np.einsum("cia,cij,cja->c", vs, g_star, vs)
         constants = constants + 0.5 * self.out_dim * self.noise**2
-        return TeacherProducts(constants=constants, sw=sw, sms=sms, smss=sms @ s, smsw=sms @ sw,
-                               smts=s @ np.swapaxes(ms, 1, 2) @ s)
+        # C(M) = sum_m p_m [S M^T (S M* S V*) + (S M*^T S) M (S V*)/n + <M, S M* S> S V*/n]
+        pw = p[:, None]
+        first = ((pw * s.reshape(c, d * d)).T @ smsw.reshape(c, d * dy)).reshape(d, d, d, dy)
+        second = ((pw * smts.reshape(c, d * d)).T @ sw.reshape(c, d * dy)).reshape(d, d, d, dy)
+        third = ((pw * sw.reshape(c, d * dy)).T @ smss.reshape(c, d * d)).reshape(d, dy, d, d)
+        linear = (first.transpose(0, 3, 2, 1) + (second.transpose(0, 3, 1, 2) + third) / n)
+        return TeacherProducts(constants=constants, sw=sw, sw_t=np.swapaxes(sw, 1, 2).copy(),
+                               sms=sms, smss=smss, smsw=smsw, smts=smts, chol=chol,
+                               chol_t=np.swapaxes(chol, 1, 2).copy(),
+                               linear_map=linear.reshape(d * dy, d * d),
+                               base=float(p @ constants))
 
     def to_dict(self) -> dict:
         return {

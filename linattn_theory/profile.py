@@ -16,10 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.linalg import lapack
 from scipy.optimize import minimize
 
 from linattn_theory.errors import ParameterError
-from linattn_theory.objectives import global_gradient, value_quadratic
+from linattn_theory.objectives import _pooled_kernel_gradient, _whitened, pooled_terms
 from linattn_theory.problem import Problem
 
 
@@ -32,50 +33,57 @@ def pooled_quadratic(problem: Problem, kernel: np.ndarray):
     linear : ndarray, shape (d, d_y)
     constant : float
     """
-    h, lin, const = value_quadratic(problem, kernel)
-    p = problem.weights
-    hessian = np.tensordot(p, h, axes=1) + problem.ridge * np.eye(problem.dim)
-    constant = float(p @ const) + 0.5 * problem.kernel_ridge * float(np.sum(np.square(kernel)))
-    return hessian, np.tensordot(p, lin, axes=1), constant
+    hessian, linear, constant = pooled_terms(problem, kernel)
+    return hessian, linear, float(constant)
+
+
+def _solve_spd(hessian: np.ndarray, rhs: np.ndarray) -> np.ndarray:
+    """H^{-1} C for one symmetric positive definite H (Cholesky; LU if that fails)."""
+    factor, solution, info = lapack.dposv(hessian, rhs)
+    return solution if info == 0 else np.linalg.solve(hessian, rhs)
 
 
 def profile_values(problem: Problem, kernels: np.ndarray) -> np.ndarray:
     """Phi(M) for a stack of kernels, shape (N, d, d) -> (N,), in one batched evaluation."""
-    kernels = np.asarray(kernels, dtype=np.float64)
-    h, lin, const = value_quadratic(problem, kernels[:, None])  # (N, C, ...)
-    p = problem.weights
-    hessian = np.einsum("c,ncij->nij", p, h) + problem.ridge * np.eye(problem.dim)
-    linear = np.einsum("c,ncia->nia", p, lin)
-    ridge = 0.5 * problem.kernel_ridge * np.sum(np.square(kernels), axis=(1, 2))
-    return (p @ const) + ridge - 0.5 * np.sum(linear * np.linalg.solve(hessian, linear),
-                                                axis=(1, 2))
+    hessian, linear, constant = pooled_terms(problem, kernels)
+    return constant - 0.5 * np.sum(linear * np.linalg.solve(hessian, linear), axis=(-2, -1))
 
 
 def optimal_value(problem: Problem, kernel: np.ndarray) -> np.ndarray:
     """V*(M) = H(M)^{-1} C(M) (eq. 10); shape (d, d_y)."""
-    hessian, linear, _ = pooled_quadratic(problem, kernel)
-    return np.linalg.solve(hessian, linear)
+    hessian, linear, _ = pooled_terms(problem, kernel)
+    return _solve_spd(hessian, linear)
 
 
 def kernel_profile(problem: Problem, kernel: np.ndarray) -> float:
     """Phi_lambda(M) = min_V F(M, V) (eq. 10)."""
-    hessian, linear, constant = pooled_quadratic(problem, kernel)
-    return constant - 0.5 * float(np.sum(linear * np.linalg.solve(hessian, linear)))
+    hessian, linear, constant = pooled_terms(problem, kernel)
+    return float(constant) - 0.5 * float(np.sum(linear * _solve_spd(hessian, linear)))
 
 
 def profile_gradient(problem: Problem, kernel: np.ndarray) -> np.ndarray:
     """grad Phi(M) = grad_M F(M, V*(M)) (eq. 11); shape (d, d)."""
-    grad_m, _ = global_gradient(problem, kernel, optimal_value(problem, kernel))
-    return grad_m
+    return profile_and_gradient(problem, kernel)[1]
+
+
+def profile_gradients(problem: Problem, kernels: np.ndarray):
+    """(Phi(M_i), grad Phi(M_i), V*(M_i)) for a stack of kernels (..., d, d), batched."""
+    m = np.asarray(kernels, dtype=np.float64)
+    whitened = _whitened(problem, m)
+    hessian, linear, constant = pooled_terms(problem, m, whitened)
+    v_star = np.linalg.solve(hessian, linear)
+    values = constant - 0.5 * np.sum(linear * v_star, axis=(-2, -1))
+    return values, _pooled_kernel_gradient(problem, m, v_star, whitened), v_star
 
 
 def profile_and_gradient(problem: Problem, kernel: np.ndarray):
     """(Phi(M), grad Phi(M)) sharing one solve."""
-    hessian, linear, constant = pooled_quadratic(problem, kernel)
-    v_star = np.linalg.solve(hessian, linear)
-    value = constant - 0.5 * float(np.sum(linear * v_star))
-    grad_m, _ = global_gradient(problem, kernel, v_star)
-    return value, grad_m
+    m = np.asarray(kernel, dtype=np.float64)
+    whitened = _whitened(problem, m)
+    hessian, linear, constant = pooled_terms(problem, m, whitened)
+    v_star = _solve_spd(hessian, linear)
+    value = float(constant) - 0.5 * float(np.vecdot(linear.ravel(), v_star.ravel()))
+    return value, _pooled_kernel_gradient(problem, m, v_star, whitened)
 
 
 @dataclass(frozen=True)
@@ -138,11 +146,11 @@ def solve_profile(
         if best is None or res.fun < best.fun:
             best = res
     kernel = best.x.reshape(d, d)
-    grad = profile_gradient(problem, kernel)
+    _, grad, v_star = profile_gradients(problem, kernel)
     return ProfileSolution(
         value=float(best.fun),
         kernel=kernel,
-        value_block=optimal_value(problem, kernel),
+        value_block=v_star,
         gradient_norm=float(np.linalg.norm(grad)),
         restart_values=tuple(ends),
     )

@@ -339,7 +339,7 @@ def recommend_warmup(constants, regime: str = "auto", **schedule) -> Recommendat
         :func:`linattn_theory.constants.estimate_constants` (pass ``lr``, ``local_steps``,
         ``total_rounds`` and optionally ``start``, ``phi_star``, ``probe_rounds`` as keywords).
         A problem is probed as a real network would be (``fast=True``: a 20-round probe of the
-        exact dynamics, about 50 ms for d = 16 and 20 clients); pass ``fast=False`` to measure
+        exact dynamics, about 40 ms for d = 16 and 20 clients); pass ``fast=False`` to measure
         the constants along the whole path instead.
     regime : {"auto", "pl", "nonconvex"}
         ``auto`` takes the regime whose full bound (27) reaches the lower minimum over the
