@@ -490,13 +490,30 @@ def _kernel_deviations(plan, sweep_name, arm_name, t0, alpha, specs) -> list[flo
     out = []
     for spec in specs:
         source = plan.out_dir / _key(sweep_name, arm_name, head_t0, alpha, spec.seed)
-        ref = plan.out_dir / _key(sweep_name, refs[0].name, None, alpha, spec.seed)
+        ref = _reference_dir(plan, sweep, refs[0], alpha, spec.seed, t0)
         a = source / "checkpoints" / f"round_{t0}.pt"
         b = ref / "checkpoints" / f"round_{t0}.pt"
         if a.is_file() and b.is_file():
             heads = int(yaml.safe_load((source / "config.yaml").read_text())["model"]["heads"])
             out.append(kernel_deviation(a, b, heads))
     return out
+
+
+def _reference_dir(plan: Plan, sweep: Sweep, ref: Arm, alpha, seed: int, t0: int) -> Path:
+    """The reference run of this alpha and seed; a reference whose partition ignores alpha
+    (``iid``: one client holding the pooled data) is the same run at every alpha, so the one
+    of another alpha (same seed) stands in when this alpha's is missing."""
+    own = plan.out_dir / _key(sweep.name, ref.name, None, alpha, seed)
+    if (own / "checkpoints" / f"round_{t0}.pt").is_file():
+        return own
+    for other in sweep.alphas:
+        cand = plan.out_dir / _key(sweep.name, ref.name, None, other, seed)
+        if not (cand / "checkpoints" / f"round_{t0}.pt").is_file():
+            continue
+        scheme = yaml.safe_load((cand / "config.yaml").read_text())["partition"]["scheme"]
+        if scheme in ("iid", "natural"):
+            return cand
+    return own
 
 
 def _fmt(mean, std) -> str:

@@ -179,3 +179,16 @@ def test_pretraining_can_leave_out_the_federated_groups():
     assert len(source_indices(ds, PretrainSettings("toy"))) == start
     with pytest.raises(UserError, match="exclude-largest-groups"):
         source_indices(ds, PretrainSettings("toy", exclude_largest_groups=4))
+
+
+def test_an_iid_reference_of_another_alpha_stands_in(tmp_path):
+    """The reference arm (one client, pooled data) ignores alpha: the same seed's run at any
+    alpha gives the kernel deviation when this alpha's reference is missing."""
+    data = yaml.safe_load(yaml.safe_dump(PLAN))
+    data["sweeps"][0]["alphas"] = [0.5, 1.0]
+    plan = _plan(tmp_path, data)
+    study.run_study(plan, pattern=["digits/reference/alpha=0.5/*", "digits/frozen*/alpha=1/*"],
+                    log=lambda *_: None)
+    rows = {(r["arm"], r["warmup_rounds"], r["alpha"]): r for r in study.aggregate(plan)}
+    assert rows[("frozen", 2, 1.0)]["kernel_deviation_mean"] > 0
+    assert rows[("frozen", 0, 1.0)]["kernel_deviation_mean"] == pytest.approx(0.0, abs=1e-12)
