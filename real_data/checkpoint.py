@@ -37,18 +37,6 @@ def restore_rng_states(states: dict) -> None:
             torch.cuda.set_rng_state(state, index)
 
 
-def _to_device(obj, device: torch.device):
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        moved = [_to_device(v, device) for v in obj]
-        return type(obj)(moved) if isinstance(obj, list) or not hasattr(obj, "_fields") \
-            else type(obj)(*moved)
-    return obj
-
-
 def save_checkpoint(path: Path, state: FedState, extra: dict) -> None:
     """Write ``state`` and ``extra`` (elapsed time, config) atomically."""
     payload = {"round": state.round, "global_params": state.global_params,
@@ -66,11 +54,15 @@ def save_checkpoint(path: Path, state: FedState, extra: dict) -> None:
 def load_checkpoint(path: Path, device: torch.device) -> tuple[FedState, dict, dict]:
     """(state, extra, rng states) from a checkpoint file (our own files: full unpickling).
 
-    The model state goes to ``device``; the generator states stay on the CPU, where
-    ``torch.set_rng_state`` needs them (loading them onto a GPU broke resuming CUDA runs).
+    Everything (modules in a server state too, e.g. FedTP's hypernetwork) goes to ``device``;
+    the generator states come back as CPU byte tensors, which ``torch.set_rng_state`` needs
+    (loaded onto a GPU they broke resuming CUDA runs).
     """
-    payload = torch.load(path, map_location="cpu", weights_only=False)
-    state = FedState(payload["round"], _to_device(payload["global_params"], device),
-                     _to_device(payload["client_state"], device),
-                     _to_device(payload["server_state"], device), payload["prev_grad_norm_last"])
-    return state, payload["extra"], payload["rng"]
+    payload = torch.load(path, map_location=device, weights_only=False)
+    state = FedState(payload["round"], payload["global_params"], payload["client_state"],
+                     payload["server_state"], payload["prev_grad_norm_last"])
+    rng = dict(payload["rng"])
+    rng["torch"] = rng["torch"].cpu()
+    if "cuda" in rng:
+        rng["cuda"] = [s.cpu() for s in rng["cuda"]]
+    return state, payload["extra"], rng

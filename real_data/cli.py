@@ -177,12 +177,14 @@ def _study(argv: list[str]) -> int:
         for spec in study.plan_runs(plan):
             print(f"{study._status(spec.run_dir):>9}  {spec.key}")
         return 0
+    failed = 0
     if not args.aggregate_only:
         counts = study.run_study(plan, args.slice, args.max_runs, args.budget, shard=shard,
                                  pretrain_only=args.pretrain_only)
         print("study:", ", ".join(f"{k} {v}" for k, v in counts.items()))
         if args.pretrain_only:
             return 0
+        failed = counts.get("failed", 0)
     rows = study.aggregate(plan)
     for folder in [plan.out_dir / "tables", *([args.export] if args.export else [])]:
         paths = study.write_tables(rows, folder)
@@ -190,6 +192,9 @@ def _study(argv: list[str]) -> int:
     if args.pack is not None:
         packed = study.pack_results(plan, args.pack)
         print(f"packed {packed['runs']} runs, {packed['snapshots']} snapshots into {args.pack}")
+    if failed:
+        print(f"study: {failed} run(s) failed; see the FAILED lines above", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -11,6 +11,7 @@ records ``status: diverged`` in ``summary.json``.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import shutil
@@ -126,6 +127,8 @@ def start_run(cfg: Config, out: Path | None = None, dataset=None, partition=None
     from real_data.data import save_partition
 
     save_partition(partition, run_dir / "partition.npz")
+    if snapshot_rounds:  # remembered, so that a resumed run still keeps them
+        (run_dir / SNAPSHOTS_FILE).write_text(json.dumps(sorted(set(snapshot_rounds))))
     state, elapsed = fed.initial_state(), 0.0
     if branch is not None:
         state, extra, _ = load_checkpoint(branch, fed.device)
@@ -137,6 +140,9 @@ def start_run(cfg: Config, out: Path | None = None, dataset=None, partition=None
     if 0 in snapshot_rounds and state.round == 0:
         save_checkpoint(run_dir / "checkpoints" / "round_0.pt", state, {"elapsed": 0.0})
     return _train(fed, state, run_dir, elapsed, snapshot_rounds)
+
+
+SNAPSHOTS_FILE = "snapshot_rounds.json"  # the rounds start_run was asked to keep
 
 
 def resume_run(run_dir: Path, trainer=None) -> RunResult:
@@ -164,7 +170,9 @@ def resume_run(run_dir: Path, trainer=None) -> RunResult:
     for name in ("metrics.csv", "timings.csv"):
         rundir.truncate_rows(run_dir / name, state.round)
     (run_dir / ".paused").unlink(missing_ok=True)
-    return _train(fed, state, run_dir, elapsed, ())
+    snapshots = run_dir / SNAPSHOTS_FILE
+    rounds = tuple(json.loads(snapshots.read_text())) if snapshots.is_file() else ()
+    return _train(fed, state, run_dir, elapsed, rounds)
 
 
 def _check_output_options(cfg: Config) -> None:

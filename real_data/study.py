@@ -58,9 +58,9 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from real_data.errors import ConfigError
+from real_data.errors import ConfigError, UserError
 
-LAST_ROUNDS = 10  # window for the accuracy variance over the last rounds
+LAST_ROUNDS = 10  # window for the accuracy variance: the last 10 evaluations (eval.every apart)
 
 
 @dataclass(frozen=True)
@@ -193,9 +193,10 @@ def load_plan(path: Path | str, out_dir: Path | str | None = None) -> Plan:
                  f"unknown keys {sorted(bad)}; allowed: {', '.join(sorted(fields))}")
         for key in ("name", "config", "source"):
             _require(isinstance(job.get(key), str), where, f"missing {key!r} (a string)")
-        for key in ("epochs", "exclude_largest_groups", "seed"):
-            _require(isinstance(job.get(key, 0), int) and job.get(key, 0) >= 0,
-                     f"{where}.{key}", "must be an integer >= 0")
+        for key, low in (("epochs", 1), ("exclude_largest_groups", 0), ("seed", 0)):
+            value = job.get(key, low)
+            _require(isinstance(value, int) and value >= low, f"{where}.{key}",
+                     f"must be an integer >= {low}")
         jobs.append(PretrainJob(job["name"], job["config"], job["source"],
                                 _strings(job.get("overrides", []), f"{where}.overrides"),
                                 int(job.get("epochs", 3)),
@@ -308,12 +309,12 @@ def _status(run_dir: Path) -> str:
 def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int | None = None,
               budget_s: float | None = None, log=print,
               shard: tuple[int, int] | None = None, pretrain_only: bool = False) -> dict:
-    """Run what is missing, resume what was interrupted; returns counts by outcome.
+    """Run what is missing, resume what was interrupted; returns counts by outcome (a run
+    that fails is logged and counted under ``failed``; the others go on).
 
     ``shard=(k, n)``: only the k-th of n cost-balanced parts of the selected groups (the split
     ignores what is already done, so it never depends on when a worker starts).
     """
-    from real_data.runs import resume_run, start_run
 
     patterns = [pattern] if isinstance(pattern, str) else list(pattern or [])
     specs = [s for s in plan_runs(plan)
@@ -336,50 +337,70 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
                              if _status(m.run_dir) != "completed"], log)
     if pretrain_only:
         return {"pretrained": sum(plan.pretrained_path(j).is_file() for j in plan.pretrain)}
-    counts = {"skipped": 0, "resumed": 0, "started": 0, "branched": 0, "left": 0}
+    counts = {"skipped": 0, "resumed": 0, "started": 0, "branched": 0, "left": 0,
+              "diverged": 0, "failed": 0}
     start, done = time.perf_counter(), 0
     for members in todo:
         if (max_runs is not None and done >= max_runs) or (
                 budget_s is not None and time.perf_counter() - start > budget_s):
-            counts["left"] += sum(_status(m.run_dir) != "completed" for m in members)
+            counts["left"] += sum(_status(m.run_dir) not in FINAL for m in members)
             continue
-        head = members[0]
-        t0s = head.arm.warmup_rounds
-        if head.arm.reference:
-            t0s = tuple(sorted({t for a in head.sweep.arms for t in a.warmup_rounds}))
-        snapshots = tuple(t for t in t0s if t is not None)
-        status = _status(head.run_dir)
-        if status == "completed":
-            counts["skipped"] += 1
-        elif status == "partial" and (head.run_dir / "checkpoints" / "last.pt").is_file():
-            log(f"resume {head.key}")
-            resume_run(head.run_dir)
-            counts["resumed"] += 1
-        else:
-            if status == "partial":  # created but killed before its first checkpoint
-                import shutil
-
-                shutil.rmtree(head.run_dir)
-            log(f"start  {head.key}")
-            head.run_dir.parent.mkdir(parents=True, exist_ok=True)
-            start_run(_config(head, head.warmup_rounds), out=head.run_dir,
-                      snapshot_rounds=snapshots)
-            counts["started"] += 1
+        try:
+            _run_group(members, counts, log)
+        except UserError:
+            raise  # a mistake in the plan or its files (exit 2), not a broken run
+        except Exception as exc:  # one broken run must not stop a worker's whole shard
+            counts["failed"] += 1
+            log(f"FAILED {members[0].key}: {type(exc).__name__}: {exc}")
         done += 1
-        for m in members[1:]:  # the other T0 branch from the largest one's snapshots
-            if _status(m.run_dir) == "completed":
-                counts["skipped"] += 1
-                continue
-            if m.run_dir.exists():
-                import shutil
-
-                shutil.rmtree(m.run_dir)  # a branch is cheap to redo from its snapshot
-            snap = head.run_dir / "checkpoints" / f"round_{m.warmup_rounds}.pt"
-            log(f"branch {m.key}")
-            m.run_dir.parent.mkdir(parents=True, exist_ok=True)
-            start_run(_config(m, m.warmup_rounds), out=m.run_dir, branch=snap)
-            counts["branched"] += 1
     return counts
+
+
+FINAL = ("completed", "diverged")  # a diverged run is a result (its status says so), not redone
+
+
+def _run_group(members: list[RunSpec], counts: dict, log) -> None:
+    """One T0 family (or a single run): the head, then every branch from its snapshots."""
+    import shutil
+
+    from real_data.runs import resume_run, start_run
+
+    head = members[0]
+    t0s = head.arm.warmup_rounds
+    if head.arm.reference:
+        t0s = tuple(sorted({t for a in head.sweep.arms for t in a.warmup_rounds}))
+    snapshots = tuple(t for t in t0s if t is not None)
+    status = _status(head.run_dir)
+    if status in FINAL:
+        counts["skipped" if status == "completed" else "diverged"] += 1
+    elif status == "partial" and (head.run_dir / "checkpoints" / "last.pt").is_file():
+        log(f"resume {head.key}")
+        resume_run(head.run_dir)
+        counts["resumed"] += 1
+    else:
+        if status == "partial":  # created but killed before its first checkpoint
+            shutil.rmtree(head.run_dir)
+        log(f"start  {head.key}")
+        head.run_dir.parent.mkdir(parents=True, exist_ok=True)
+        start_run(_config(head, head.warmup_rounds), out=head.run_dir,
+                  snapshot_rounds=snapshots)
+        counts["started"] += 1
+    for m in members[1:]:  # the other T0 branch from the largest one's snapshots
+        status = _status(m.run_dir)
+        if status in FINAL:
+            counts["skipped" if status == "completed" else "diverged"] += 1
+            continue
+        snap = head.run_dir / "checkpoints" / f"round_{m.warmup_rounds}.pt"
+        if not snap.is_file():  # the head diverged before this T0
+            log(f"no snapshot for {m.key} ({snap.name} missing): not run")
+            counts["failed"] += 1
+            continue
+        if m.run_dir.exists():
+            shutil.rmtree(m.run_dir)  # a branch is cheap to redo from its snapshot
+        log(f"branch {m.key}")
+        m.run_dir.parent.mkdir(parents=True, exist_ok=True)
+        start_run(_config(m, m.warmup_rounds), out=m.run_dir, branch=snap)
+        counts["branched"] += 1
 
 
 # ----------------------------------------------------------------------------- aggregation
@@ -473,6 +494,7 @@ def aggregate(plan: Plan) -> list[dict]:
         dev = _kernel_deviations(plan, sweep, arm, t0, alpha, [s for s, _ in items])
         rec["kernel_deviation_mean"] = float(np.mean(dev)) if dev else None
         rec["kernel_deviation_std"] = float(np.std(dev)) if dev else None
+        rec["kernel_deviation_n"] = len(dev)  # seeds whose reference run exists
         out.append(rec)
     return out
 
@@ -516,6 +538,10 @@ def _reference_dir(plan: Plan, sweep: Sweep, ref: Arm, alpha, seed: int, t0: int
     return own
 
 
+def _n_suffix(n) -> str:
+    return f" ({n})" if n else ""
+
+
 def _fmt(mean, std) -> str:
     if mean is None:
         return "-"
@@ -537,7 +563,7 @@ def write_tables(rows: list[dict], out_dir: Path) -> list[Path]:
             w.writerows(rows)
     paths[1].write_text(json.dumps(rows, indent=1))
     lines = ["| sweep | alpha | arm | T0 | n | final acc | best acc | rounds to best | "
-             "personal acc | acc var (last 10) | grad-norm jump | kernel dev | MB up | "
+             "personal acc | acc var (last 10 evals) | grad-norm jump | kernel dev (n) | MB up | "
              "TFLOPs | s/round |", "|" + "---|" * 15]
     for r in rows:
         lines.append(
@@ -549,7 +575,8 @@ def write_tables(rows: list[dict], out_dir: Path) -> list[Path]:
             f"{_fmt(r['personal_acc_mean'], r['personal_acc_std'])} | "
             f"{_fmt(r['last_acc_var_mean'], r['last_acc_var_std'])} | "
             f"{_fmt(r['grad_norm_jump_mean'], r['grad_norm_jump_std'])} | "
-            f"{_fmt(r['kernel_deviation_mean'], r['kernel_deviation_std'])} | "
+            f"{_fmt(r['kernel_deviation_mean'], r['kernel_deviation_std'])}"
+            f"{_n_suffix(r.get('kernel_deviation_n'))} | "
             f"{(r['bytes_up_mean'] or 0) / 1e6:.1f} | {(r['train_flops_mean'] or 0) / 1e12:.2f} "
             f"| {_fmt(r['seconds_per_round_mean'], r['seconds_per_round_std'])} |")
     paths[2].write_text("\n".join(lines) + "\n")

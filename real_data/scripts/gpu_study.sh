@@ -13,7 +13,9 @@ ngpu=$(nvidia-smi -L | wc -l)
 workers=$((ngpu * per_gpu))
 start=$(date +%s)
 python -m linattn study --plan "$plan" --pretrain-only "$@" 2>&1 | tee "$out/logs/pretrain.log"
+if [ "${PIPESTATUS[0]}" -ne 0 ]; then echo "pretraining failed: see $out/logs/pretrain.log"; exit 1; fi
 left=$((seconds - ($(date +%s) - start)))
+if [ "$left" -le 0 ]; then echo "no time left for workers after pretraining"; workers=0; fi
 for ((k = 0; k < workers; k++)); do
   CUDA_VISIBLE_DEVICES=$((k % ngpu)) timeout -s KILL "$left" \
     python -m linattn study --plan "$plan" --shard "$k/$workers" "$@" > "$out/logs/worker_$k.log" 2>&1 &

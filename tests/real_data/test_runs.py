@@ -158,8 +158,9 @@ def test_checkpoint_loads_generators_on_the_cpu_and_restores_them(tmp_path, devi
     from real_data.federation import FedState
 
     dev = torch.device(device)
+    net = torch.nn.Linear(2, 2).to(dev)  # a module in the server state (FedTP's hypernetwork)
     state = FedState(3, {"w": torch.ones(2, device=dev)}, {0: {"c": torch.zeros(2, device=dev)}},
-                     {"m": [torch.ones(1, device=dev)]}, 1.5)
+                     {"m": [torch.ones(1, device=dev)], "net": net}, 1.5)
     torch.manual_seed(7)
     save_checkpoint(tmp_path / "c.pt", state, {"elapsed": 1.0})
     expected = torch.rand(3)
@@ -168,6 +169,28 @@ def test_checkpoint_loads_generators_on_the_cpu_and_restores_them(tmp_path, devi
     assert loaded.global_params["w"].device.type == dev.type
     assert loaded.client_state[0]["c"].device.type == dev.type
     assert loaded.server_state["m"][0].device.type == dev.type
+    assert next(loaded.server_state["net"].parameters()).device.type == dev.type
     torch.rand(5)  # move the generator on; restoring must bring it back
     restore_rng_states(rng)
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_resumed_run_still_keeps_its_snapshots(tmp_path):
+    """A T0 head run interrupted before its later snapshots must still write them on resume
+    (the study branches the other T0 from them)."""
+    from real_data.runs import resume_run
+
+    cfg = tiny_config("train.rounds=4", "partition.num_clients=3", "algorithm.name=fedavg",
+                      "run.checkpoint_every=1")
+    run = tmp_path / "head"
+    start_run(cfg, out=run, snapshot_rounds=(2, 4))
+    whole = torch.load(run / "checkpoints" / "round_4.pt", weights_only=False)
+    # as if killed after round 2: last.pt is round 2's state, no round-4 snapshot, no summary
+    (run / "checkpoints" / "round_2.pt").replace(run / "checkpoints" / "last.pt")
+    (run / "checkpoints" / "round_4.pt").unlink()
+    (run / "summary.json").unlink()
+    resume_run(run)
+    again = torch.load(run / "checkpoints" / "round_4.pt", weights_only=False)
+    assert again["round"] == 4
+    for name, value in whole["global_params"].items():
+        assert torch.equal(again["global_params"][name], value), name

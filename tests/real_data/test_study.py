@@ -42,9 +42,11 @@ def test_plan_keys_and_slices_resume_and_aggregate(tmp_path):
     assert keys == ["digits/fedavg/alpha=0.5/seed=0", "digits/frozen-T0=2/alpha=0.5/seed=0",
                     "digits/frozen-T0=0/alpha=0.5/seed=0", "digits/reference/alpha=0.5/seed=0"]
     first = study.run_study(plan, pattern="digits/fedavg/*", log=lambda *_: None)
-    assert first == {"skipped": 0, "resumed": 0, "started": 1, "branched": 0, "left": 0}
+    assert first == {"skipped": 0, "resumed": 0, "started": 1, "branched": 0, "left": 0,
+                     "diverged": 0, "failed": 0}
     rest = study.run_study(plan, log=lambda *_: None)
-    assert rest == {"skipped": 1, "resumed": 0, "started": 2, "branched": 1, "left": 0}
+    assert rest == {"skipped": 1, "resumed": 0, "started": 2, "branched": 1, "left": 0,
+                    "diverged": 0, "failed": 0}
     again = study.run_study(plan, log=lambda *_: None)
     assert again["started"] == again["branched"] == 0 and again["skipped"] == 4
     rows = {(r["arm"], r["warmup_rounds"]): r for r in study.aggregate(plan)}
@@ -192,3 +194,22 @@ def test_an_iid_reference_of_another_alpha_stands_in(tmp_path):
     rows = {(r["arm"], r["warmup_rounds"], r["alpha"]): r for r in study.aggregate(plan)}
     assert rows[("frozen", 2, 1.0)]["kernel_deviation_mean"] > 0
     assert rows[("frozen", 0, 1.0)]["kernel_deviation_mean"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_a_failing_run_is_counted_and_the_others_go_on(tmp_path, monkeypatch):
+    import real_data.runs
+
+    plan = _plan(tmp_path)
+    real_start = real_data.runs.start_run
+
+    def start(cfg, out=None, **kw):
+        if "fedavg" in str(out):
+            raise RuntimeError("simulated crash")
+        return real_start(cfg, out=out, **kw)
+
+    monkeypatch.setattr(real_data.runs, "start_run", start)
+    lines = []
+    counts = study.run_study(plan, log=lines.append)
+    assert counts["failed"] == 1 and counts["started"] == 2 and counts["branched"] == 1
+    assert any("FAILED digits/fedavg" in line and "simulated crash" in line for line in lines)
+    assert study._status(study.plan_runs(plan)[3].run_dir) == "completed"
