@@ -147,6 +147,9 @@ def _study(argv: list[str]) -> int:
                     "option for a union)")
     ap.add_argument("--max-runs", type=int, help="start or resume at most this many run groups")
     ap.add_argument("--budget", type=float, help="start no new run after this many seconds")
+    ap.add_argument("--deadline", type=float, metavar="SECONDS",
+                    help="start a run group only if, at the pace of the groups run so far, it "
+                    "ends within SECONDS (for time-limited GPU calls)")
     ap.add_argument("--shard", help="k/n: run the k-th (0-based) of n cost-balanced parts of "
                     "the selection (n workers side by side)")
     ap.add_argument("--pretrain-only", action="store_true",
@@ -154,15 +157,22 @@ def _study(argv: list[str]) -> int:
                     "(before starting several --shard workers)")
     ap.add_argument("--aggregate-only", action="store_true", help="only write the tables")
     ap.add_argument("--export", type=Path, help="also copy the tables here (e.g. docs/study)")
-    ap.add_argument("--pack", type=Path, metavar="FILE.tar.xz",
-                    help="then archive the completed runs' metrics and Q/K snapshots (small; "
-                    "unpack into out_dir and --aggregate-only elsewhere)")
+    ap.add_argument("--pack", type=Path, metavar="FILE.tar.gz",
+                    help="then archive the finished runs' global metrics and Q/K snapshots "
+                    "(small; unpack into out_dir and --aggregate-only elsewhere)")
+    ap.add_argument("--markers", type=Path, metavar="FILE.tar.gz",
+                    help="write the summary.json of every finished run group; unpacked into "
+                    "out_dir on a fresh machine, the study skips them")
+    ap.add_argument("--no-tables", action="store_true",
+                    help="skip writing the tables (e.g. on a GPU host, before --pack)")
     ap.add_argument("--list", action="store_true", help="list the plan's runs and their status")
     args = ap.parse_args(argv)
     if args.max_runs is not None and args.max_runs < 1:
         raise UserError(f"--max-runs {args.max_runs}: must be >= 1")
     if args.budget is not None and not args.budget > 0:
         raise UserError(f"--budget {args.budget}: must be > 0 seconds")
+    if args.deadline is not None and not args.deadline > 0:
+        raise UserError(f"--deadline {args.deadline}: must be > 0 seconds")
     shard = None
     if args.shard is not None:
         try:
@@ -180,15 +190,18 @@ def _study(argv: list[str]) -> int:
     failed = 0
     if not args.aggregate_only:
         counts = study.run_study(plan, args.slice, args.max_runs, args.budget, shard=shard,
-                                 pretrain_only=args.pretrain_only)
+                                 pretrain_only=args.pretrain_only, deadline_s=args.deadline)
         print("study:", ", ".join(f"{k} {v}" for k, v in counts.items()))
         if args.pretrain_only:
             return 0
         failed = counts.get("failed", 0)
-    rows = study.aggregate(plan)
-    for folder in [plan.out_dir / "tables", *([args.export] if args.export else [])]:
-        paths = study.write_tables(rows, folder)
-        print(f"wrote {', '.join(str(p) for p in paths)}")
+    if not args.no_tables:
+        rows = study.aggregate(plan)
+        for folder in [plan.out_dir / "tables", *([args.export] if args.export else [])]:
+            paths = study.write_tables(rows, folder)
+            print(f"wrote {', '.join(str(p) for p in paths)}")
+    if args.markers is not None:
+        print(f"marked {study.write_markers(plan, args.markers)} finished runs in {args.markers}")
     if args.pack is not None:
         packed = study.pack_results(plan, args.pack)
         print(f"packed {packed['runs']} runs, {packed['snapshots']} snapshots into {args.pack}")

@@ -308,12 +308,16 @@ def _status(run_dir: Path) -> str:
 
 def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int | None = None,
               budget_s: float | None = None, log=print,
-              shard: tuple[int, int] | None = None, pretrain_only: bool = False) -> dict:
+              shard: tuple[int, int] | None = None, pretrain_only: bool = False,
+              deadline_s: float | None = None) -> dict:
     """Run what is missing, resume what was interrupted; returns counts by outcome (a run
     that fails is logged and counted under ``failed``; the others go on).
 
     ``shard=(k, n)``: only the k-th of n cost-balanced parts of the selected groups (the split
     ignores what is already done, so it never depends on when a worker starts).
+    ``deadline_s``: start a group only if it is expected to end within this many seconds of
+    the start, at the seconds per round of the groups run so far (the first always starts);
+    a group that would not fit is left for later and a shorter one tried.
     """
 
     patterns = [pattern] if isinstance(pattern, str) else list(pattern or [])
@@ -340,11 +344,17 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
     counts = {"skipped": 0, "resumed": 0, "started": 0, "branched": 0, "left": 0,
               "diverged": 0, "failed": 0}
     start, done = time.perf_counter(), 0
+    spent, cost_done = 0.0, 0.0  # seconds and rounds of the groups run here (for deadline_s)
     for members in todo:
+        now = time.perf_counter() - start
+        todo_here = any(_status(m.run_dir) not in FINAL for m in members)
+        late = deadline_s is not None and cost_done > 0 and todo_here and \
+            now + _group_cost(members) * spent / cost_done > deadline_s
         if (max_runs is not None and done >= max_runs) or (
-                budget_s is not None and time.perf_counter() - start > budget_s):
+                budget_s is not None and now > budget_s) or late:
             counts["left"] += sum(_status(m.run_dir) not in FINAL for m in members)
             continue
+        t_group = time.perf_counter()
         try:
             _run_group(members, counts, log)
         except UserError:
@@ -352,6 +362,9 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
         except Exception as exc:  # one broken run must not stop a worker's whole shard
             counts["failed"] += 1
             log(f"FAILED {members[0].key}: {type(exc).__name__}: {exc}")
+        if todo_here:
+            spent += time.perf_counter() - t_group
+            cost_done += _group_cost(members)
         done += 1
     return counts
 
@@ -584,11 +597,13 @@ def write_tables(rows: list[dict], out_dir: Path) -> list[Path]:
 
 
 def pack_results(plan: Plan, dest: Path) -> dict:
-    """Write ``dest`` (.tar.xz): every completed run's metrics, summary and config, and its
-    warm-up snapshots reduced to the Q/K weights the kernel deviation reads; plus the tables.
-    Unpacking it into a clean ``out_dir`` and running ``--aggregate-only`` gives the same
-    tables (model checkpoints and client states stay behind: they are large and rebuilt by
-    re-running a run)."""
+    """Write ``dest`` (.tar.gz): every completed run's summary, config and the global rows of
+    its metrics, and its warm-up snapshots reduced to the Q/K weights the kernel deviation
+    reads. Unpacking it into an empty ``out_dir`` and running ``--aggregate-only`` gives the
+    tables and figure 7 (they read only global rows); model checkpoints, client states and
+    per-client rows stay behind (large; re-running a run rebuilds them). Packing 179 runs took
+    6 s on the GPU host (the earlier xz of whole metrics files outlasted a 10-minute call).
+    """
     import io
     import tarfile
 
@@ -598,30 +613,63 @@ def pack_results(plan: Plan, dest: Path) -> dict:
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
     counts = {"runs": 0, "snapshots": 0}
-    with tarfile.open(tmp, "w:xz") as tar:
+
+    def add_bytes(tar, name: str, data: bytes) -> None:
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+
+    with tarfile.open(tmp, "w:gz", compresslevel=6) as tar:
         for spec in plan_runs(plan):
-            if _status(spec.run_dir) != "completed":
-                continue
+            if _status(spec.run_dir) not in FINAL or not (spec.run_dir / "metrics.csv").is_file():
+                continue  # unfinished, or only a marker of a run finished elsewhere
             counts["runs"] += 1
-            for name in ("metrics.csv", "summary.json", "config.yaml"):
+            for name in ("summary.json", "config.yaml"):
                 if (spec.run_dir / name).is_file():
                     tar.add(spec.run_dir / name, arcname=f"{spec.key}/{name}")
+            lines = (spec.run_dir / "metrics.csv").read_text().splitlines()
+            col = lines[0].split(",").index("client")
+            kept = [lines[0]] + [ln for ln in lines[1:] if ln.split(",")[col] == "global"]
+            add_bytes(tar, f"{spec.key}/metrics.csv", ("\n".join(kept) + "\n").encode())
             for snap in sorted((spec.run_dir / "checkpoints").glob("round_*.pt")):
                 state = torch.load(snap, map_location="cpu", weights_only=False)
                 qk = {n: t for n, t in state["global_params"].items()
                       if n.endswith(("attn.q.weight", "attn.k.weight"))}
                 buf = io.BytesIO()
                 torch.save({"global_params": qk}, buf)
-                info = tarfile.TarInfo(f"{spec.key}/checkpoints/{snap.name}")
-                info.size = buf.tell()
-                buf.seek(0)
-                tar.addfile(info, buf)
+                add_bytes(tar, f"{spec.key}/checkpoints/{snap.name}", buf.getvalue())
                 counts["snapshots"] += 1
-        tables = plan.out_dir / "tables"
-        if tables.is_dir():
-            tar.add(tables, arcname="tables")
     tmp.replace(dest)
     return counts
+
+
+def write_markers(plan: Plan, dest: Path) -> int:
+    """Write ``dest`` (.tar.gz) with the ``summary.json`` of every run whose whole group (a T0
+    family, or a single run) is finished, and the plan's pretrained files: unpacked into
+    ``out_dir`` on a fresh machine, it makes the study skip exactly those groups (an unfinished
+    family reruns from its head, which keeps the snapshots its branches need) and start FedSQ
+    from the same pretrained S. Returns the number of runs marked."""
+    import tarfile
+
+    groups: dict[tuple, list[RunSpec]] = {}
+    for s in plan_runs(plan):
+        groups.setdefault((s.sweep.name, s.arm.name, s.alpha, s.seed), []).append(s)
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
+    marked = 0
+    with tarfile.open(tmp, "w:gz") as tar:
+        for members in groups.values():
+            if all(_status(m.run_dir) in FINAL for m in members):
+                for m in members:
+                    rel = m.run_dir.relative_to(plan.out_dir)
+                    tar.add(m.run_dir / "summary.json", arcname=f"{rel}/summary.json")
+                    marked += 1
+        for job in plan.pretrain:
+            if plan.pretrained_path(job).is_file():
+                tar.add(plan.pretrained_path(job), arcname=f"pretrained/{job.name}.pt")
+    tmp.replace(dest)
+    return marked
 
 
 def replace_out(plan: Plan, out_dir: Path) -> Plan:

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# Run a study plan on every GPU of this machine, several worker processes per GPU, for a fixed
-# wall time; then aggregate and pack what finished. Interrupted runs resume on the next call
-# (their checkpoints stay in the plan's out_dir on this machine).
+# Run a study plan on every GPU of this machine, several worker processes per GPU, within a
+# fixed wall time; then pack what finished into parts of at most 12 MiB (OUTDIR/study_runs.
+# tar.gz.partNN: `cat` them and unpack into the plan's out_dir, then `linattn study --plan P
+# --aggregate-only`). Each worker starts a run group only if it should end in time
+# (--deadline), and is killed at the limit; an interrupted run resumes if this machine is
+# still there for the next call. DONE_ARCHIVE (optional): a `linattn study --markers` archive
+# of the groups finished on earlier machines, so they are skipped here.
 # Usage: bash real_data/scripts/gpu_study.sh PLAN SECONDS WORKERS_PER_GPU OUTDIR [--slice GLOB ...]
 # Data: LINATTN_DATA must point at a folder holding the packed data sets (`linattn data pack`).
 set -uo pipefail
@@ -12,13 +16,18 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 ngpu=$(nvidia-smi -L | wc -l)
 workers=$((ngpu * per_gpu))
 start=$(date +%s)
+if [ -n "${DONE_ARCHIVE:-}" ]; then
+  dest=$(python -c "from real_data import study; print(study.load_plan('$plan').out_dir)")
+  mkdir -p "$dest" && tar -xzf "$DONE_ARCHIVE" -C "$dest" || exit 1
+fi
 python -m linattn study --plan "$plan" --pretrain-only "$@" 2>&1 | tee "$out/logs/pretrain.log"
 if [ "${PIPESTATUS[0]}" -ne 0 ]; then echo "pretraining failed: see $out/logs/pretrain.log"; exit 1; fi
 left=$((seconds - ($(date +%s) - start)))
-if [ "$left" -le 0 ]; then echo "no time left for workers after pretraining"; workers=0; fi
+if [ "$left" -le 30 ]; then echo "no time left for workers after pretraining"; workers=0; fi
 for ((k = 0; k < workers; k++)); do
   CUDA_VISIBLE_DEVICES=$((k % ngpu)) timeout -s KILL "$left" \
-    python -m linattn study --plan "$plan" --shard "$k/$workers" "$@" > "$out/logs/worker_$k.log" 2>&1 &
+    python -m linattn study --plan "$plan" --shard "$k/$workers" --deadline "$((left - 20))" \
+    --no-tables "$@" > "$out/logs/worker_$k.log" 2>&1 &
 done
 ( while sleep 60; do nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader; done ) \
   > "$out/logs/utilization.log" 2>&1 &
@@ -27,5 +36,8 @@ wait $(jobs -p | grep -v "^$monitor$") 2>/dev/null
 kill "$monitor" 2>/dev/null
 echo "workers stopped after $(($(date +%s) - start)) s"
 python -m linattn study --plan "$plan" --list | awk '{print $1}' | sort | uniq -c
-python -m linattn study --plan "$plan" --aggregate-only --pack "$out/study_runs.tar.xz" | tail -2
+python -m linattn study --plan "$plan" --aggregate-only --no-tables \
+  --pack "$out/study_runs.tar.gz" --markers "$out/done_markers.tar.gz" | tail -2
+split -b 12M -d "$out/study_runs.tar.gz" "$out/study_runs.tar.gz.part" && rm "$out/study_runs.tar.gz"
 tar -czf "$out/logs.tar.gz" -C "$out" logs && rm -rf "$out/logs"
+ls -la "$out"

@@ -213,3 +213,41 @@ def test_a_failing_run_is_counted_and_the_others_go_on(tmp_path, monkeypatch):
     assert counts["failed"] == 1 and counts["started"] == 2 and counts["branched"] == 1
     assert any("FAILED digits/fedavg" in line and "simulated crash" in line for line in lines)
     assert study._status(study.plan_runs(plan)[3].run_dir) == "completed"
+
+
+def test_pack_and_markers_carry_a_study_to_another_machine(tmp_path):
+    import tarfile
+
+    plan = _plan(tmp_path)
+    study.run_study(plan, log=lambda *_: None)
+    packed = study.pack_results(plan, tmp_path / "runs.tar.gz")
+    assert packed == {"runs": 4, "snapshots": 4}  # frozen T0=2 head: 0, 2; reference: 0, 2
+    marked = study.write_markers(plan, tmp_path / "done.tar.gz")
+    assert marked == 4
+    # another machine: the markers alone make every group skip, and nothing is packed twice
+    other = study.replace_out(plan, tmp_path / "other")
+    other.out_dir.mkdir()
+    with tarfile.open(tmp_path / "done.tar.gz") as tar:
+        tar.extractall(other.out_dir, filter="data")
+    counts = study.run_study(other, log=lambda *_: None)
+    assert counts["skipped"] == 4 and counts["started"] == counts["branched"] == 0
+    assert study.pack_results(other, tmp_path / "again.tar.gz")["runs"] == 0
+    # here: the pack unpacked into an empty out_dir gives the same tables
+    local = study.replace_out(plan, tmp_path / "local")
+    local.out_dir.mkdir()
+    with tarfile.open(tmp_path / "runs.tar.gz") as tar:
+        tar.extractall(local.out_dir, filter="data")
+    key = ("arm", "warmup_rounds", "final_acc_mean", "kernel_deviation_mean", "bytes_up_mean")
+    rows = sorted(tuple(r[k] for k in key) for r in study.aggregate(plan))
+    again = sorted(tuple(r[k] for k in key) for r in study.aggregate(local))
+    assert rows == again
+
+
+def test_deadline_leaves_groups_that_would_not_fit(tmp_path):
+    data = yaml.safe_load(yaml.safe_dump(PLAN))
+    data["seeds"] = [0, 1]
+    plan = _plan(tmp_path, data)
+    # after the first group the pace is known; a deadline of ~0 s leaves every other group
+    counts = study.run_study(plan, deadline_s=1e-9, log=lambda *_: None)
+    done = sum(study._status(s.run_dir) == "completed" for s in study.plan_runs(plan))
+    assert counts["started"] == 1 and counts["left"] == len(study.plan_runs(plan)) - done
