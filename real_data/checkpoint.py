@@ -26,8 +26,9 @@ def rng_states() -> dict:
 
 
 def restore_rng_states(states: dict) -> None:
-    """Restore the generators; the states must be CPU byte tensors (as ``rng_states`` gives and
-    ``load_checkpoint`` returns them, whatever device the run itself uses)."""
+    """Restore the generators from ``rng_states()``'s dict. ``torch.set_rng_state`` needs CPU
+    byte tensors, and a checkpoint loaded onto a GPU holds them there (resuming a CUDA run
+    once failed so): they are moved back here."""
     torch.set_rng_state(states["torch"].cpu())
     np.random.set_state(states["numpy"])
     random.setstate(states["python"])
@@ -55,14 +56,9 @@ def load_checkpoint(path: Path, device: torch.device) -> tuple[FedState, dict, d
     """(state, extra, rng states) from a checkpoint file (our own files: full unpickling).
 
     Everything (modules in a server state too, e.g. FedTP's hypernetwork) goes to ``device``;
-    the generator states come back as CPU byte tensors, which ``torch.set_rng_state`` needs
-    (loaded onto a GPU they broke resuming CUDA runs).
+    :func:`restore_rng_states` takes the generator states wherever they were loaded.
     """
     payload = torch.load(path, map_location=device, weights_only=False)
     state = FedState(payload["round"], payload["global_params"], payload["client_state"],
                      payload["server_state"], payload["prev_grad_norm_last"])
-    rng = dict(payload["rng"])
-    rng["torch"] = rng["torch"].cpu()
-    if "cuda" in rng:
-        rng["cuda"] = [s.cpu() for s in rng["cuda"]]
-    return state, payload["extra"], rng
+    return state, payload["extra"], payload["rng"]

@@ -348,8 +348,9 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
     for members in todo:
         now = time.perf_counter() - start
         todo_here = any(_status(m.run_dir) not in FINAL for m in members)
+        cost = _group_cost(members) if deadline_s is not None else 0.0
         late = deadline_s is not None and cost_done > 0 and todo_here and \
-            now + _group_cost(members) * spent / cost_done > deadline_s
+            now + cost * spent / cost_done > deadline_s
         if (max_runs is not None and done >= max_runs) or (
                 budget_s is not None and now > budget_s) or late:
             counts["left"] += sum(_status(m.run_dir) not in FINAL for m in members)
@@ -364,7 +365,7 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
             log(f"FAILED {members[0].key}: {type(exc).__name__}: {exc}")
         if todo_here:
             spent += time.perf_counter() - t_group
-            cost_done += _group_cost(members)
+            cost_done += cost
         done += 1
     return counts
 
@@ -602,7 +603,8 @@ def pack_results(plan: Plan, dest: Path) -> dict:
     reads. Unpacking it into an empty ``out_dir`` and running ``--aggregate-only`` gives the
     tables and figure 7 (they read only global rows); model checkpoints, client states and
     per-client rows stay behind (large; re-running a run rebuilds them). Packing 179 runs took
-    6 s on the GPU host (the earlier xz of whole metrics files outlasted a 10-minute call).
+    6 s on the GPU host (the earlier aggregation plus xz of whole metrics files outlasted a
+    10-minute call).
     """
     import io
     import tarfile

@@ -152,8 +152,8 @@ def test_sweep_command_writes_an_index(tmp_path, capsys):
     "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                          reason="needs a CUDA GPU"))])
 def test_checkpoint_loads_generators_on_the_cpu_and_restores_them(tmp_path, device):
-    """Resuming a CUDA run once failed: the RNG states were loaded onto the GPU, and
-    torch.set_rng_state needs a CPU byte tensor. The model state goes to the run's device."""
+    """Resuming a CUDA run once failed: the RNG states were loaded onto the GPU with the rest,
+    and torch.set_rng_state needs a CPU byte tensor. State (a module too) goes to the device."""
     from real_data.checkpoint import load_checkpoint, restore_rng_states, save_checkpoint
     from real_data.federation import FedState
 
@@ -165,7 +165,7 @@ def test_checkpoint_loads_generators_on_the_cpu_and_restores_them(tmp_path, devi
     save_checkpoint(tmp_path / "c.pt", state, {"elapsed": 1.0})
     expected = torch.rand(3)
     loaded, extra, rng = load_checkpoint(tmp_path / "c.pt", dev)
-    assert rng["torch"].device.type == "cpu" and extra == {"elapsed": 1.0}
+    assert rng["torch"].device.type == dev.type and extra == {"elapsed": 1.0}  # as loaded
     assert loaded.global_params["w"].device.type == dev.type
     assert loaded.client_state[0]["c"].device.type == dev.type
     assert loaded.server_state["m"][0].device.type == dev.type
