@@ -33,7 +33,9 @@ from figures.common import FigureError, FigureOutput, fmt
 from figures.style import new_figure, save, series_style
 
 NAME = "fig7_real_data"
-STUDY_KEY = re.compile(r"^(?P<arm>[^/]+?)(-T0=(?P<t0>\d+))?/alpha=(?P<alpha>[^/]+)/seed=\d+$")
+# a study run's key: <arm>[-T0=<t>]/(alpha=<a> | natural)/seed=<s> (real_data.study._key)
+STUDY_KEY = re.compile(r"^(?P<arm>[^/]+?)(-T0=(?P<t0>\d+))?/"
+                       r"(alpha=(?P<alpha>[^/]+)|(?P<natural>natural))/seed=\d+$")
 LAST_ROUNDS = 10
 
 
@@ -121,7 +123,8 @@ def _label(run: Run, rel: Path) -> None:
     parts = rel.as_posix().split("/")
     match = STUDY_KEY.match("/".join(parts[-3:])) if len(parts) >= 4 else None
     if match:
-        run.condition = f"{'/'.join(parts[:-3])}, alpha={match['alpha']}"
+        split = "natural" if match["natural"] else f"alpha={match['alpha']}"
+        run.condition = f"{'/'.join(parts[:-3])}, {split}"
         run.arm = match["arm"]
         return
     data = cfg.get("data", {}).get("name", "?")

@@ -152,9 +152,13 @@ def _study(argv: list[str]) -> int:
                     "ends within SECONDS (for time-limited GPU calls)")
     ap.add_argument("--shard", help="k/n: run the k-th (0-based) of n cost-balanced parts of "
                     "the selection (n workers side by side)")
+    ap.add_argument("--pending", action="store_true",
+                    help="with --shard: balance the parts over the groups not yet finished "
+                    "(all workers must start together, e.g. on a fresh machine given --markers)")
     ap.add_argument("--pretrain-only", action="store_true",
                     help="only run the plan's missing pretraining jobs the selection needs "
-                    "(before starting several --shard workers)")
+                    "(before starting several --shard workers; with --shard k/n, the k-th of "
+                    "every n jobs, so one process per GPU pretrains side by side)")
     ap.add_argument("--aggregate-only", action="store_true", help="only write the tables")
     ap.add_argument("--export", type=Path, help="also copy the tables here (e.g. docs/study)")
     ap.add_argument("--pack", type=Path, metavar="FILE.tar.gz",
@@ -190,7 +194,8 @@ def _study(argv: list[str]) -> int:
     failed = 0
     if not args.aggregate_only:
         counts = study.run_study(plan, args.slice, args.max_runs, args.budget, shard=shard,
-                                 pretrain_only=args.pretrain_only, deadline_s=args.deadline)
+                                 pretrain_only=args.pretrain_only, deadline_s=args.deadline,
+                                 pending=args.pending)
         print("study:", ", ".join(f"{k} {v}" for k, v in counts.items()))
         if args.pretrain_only:
             return 0

@@ -274,18 +274,23 @@ def shard_groups(groups: list[list[RunSpec]], shard: tuple[int, int]) -> list[li
     return [groups[i] for i in mine]
 
 
-def ensure_pretrained(plan: Plan, specs: list[RunSpec], log=print) -> list[Path]:
+def ensure_pretrained(plan: Plan, specs: list[RunSpec], log=print,
+                      shard: tuple[int, int] | None = None) -> list[Path]:
     """Run every pretraining job a selected run needs and that is missing; returns the files
     written. The file is written under a temporary name and renamed, so a killed job leaves
-    nothing that looks finished."""
+    nothing that looks finished. ``shard=(k, n)``: only the k-th of every n needed jobs."""
     from real_data.config import load_config
     from real_data.pretrain import PretrainSettings, run_pretrain
 
     wanted = {o for s in specs for o in _overrides(s, s.warmup_rounds)}
     written = []
-    for job in plan.pretrain:
+    needed = [job for job in plan.pretrain
+              if any(str(plan.pretrained_path(job)) in o for o in wanted)]
+    if shard is not None:
+        needed = needed[shard[0]::shard[1]]
+    for job in needed:
         path = plan.pretrained_path(job)
-        if path.is_file() or not any(str(path) in o for o in wanted):
+        if path.is_file():
             continue
         log(f"pretrain {job.name} on {job.source} -> {path}")
         tmp = path.with_suffix(f".tmp{os.getpid()}.pt")  # workers never share a temporary
@@ -309,15 +314,20 @@ def _status(run_dir: Path) -> str:
 def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int | None = None,
               budget_s: float | None = None, log=print,
               shard: tuple[int, int] | None = None, pretrain_only: bool = False,
-              deadline_s: float | None = None) -> dict:
+              deadline_s: float | None = None, pending: bool = False) -> dict:
     """Run what is missing, resume what was interrupted; returns counts by outcome (a run
     that fails is logged and counted under ``failed``; the others go on).
 
     ``shard=(k, n)``: only the k-th of n cost-balanced parts of the selected groups (the split
     ignores what is already done, so it never depends on when a worker starts).
+    ``pending``: balance the shards over the groups not yet finished instead (for workers
+    that all start together on a machine given the finished groups as markers, so the work
+    left is spread evenly; workers started at different times would disagree on the split).
     ``deadline_s``: start a group only if it is expected to end within this many seconds of
     the start, at the seconds per round of the groups run so far (the first always starts);
     a group that would not fit is left for later and a shorter one tried.
+    With ``pretrain_only`` and ``shard=(k, n)``, the k-th of every n pretraining jobs the
+    whole selection needs is run (one process per GPU pretrains side by side).
     """
 
     patterns = [pattern] if isinstance(pattern, str) else list(pattern or [])
@@ -334,13 +344,17 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
     for s in specs:
         groups.setdefault((s.sweep.name, s.arm.name, s.alpha, s.seed), []).append(s)
     todo = list(groups.values())
+    if pending:
+        todo = [g for g in todo if any(_status(m.run_dir) not in FINAL for m in g)]
+    if pretrain_only:
+        ensure_pretrained(plan, [m for g in todo for m in g
+                                 if _status(m.run_dir) != "completed"], log, shard)
+        return {"pretrained": sum(plan.pretrained_path(j).is_file() for j in plan.pretrain)}
     if shard is not None:
-        todo = shard_groups(todo, shard)  # over the whole selection: workers started at any
-        # time agree on the split, whatever the others have finished meanwhile
+        todo = shard_groups(todo, shard)  # over the whole selection (unless pending): workers
+        # started at any time agree on the split, whatever the others have finished meanwhile
     ensure_pretrained(plan, [m for g in todo for m in g
                              if _status(m.run_dir) != "completed"], log)
-    if pretrain_only:
-        return {"pretrained": sum(plan.pretrained_path(j).is_file() for j in plan.pretrain)}
     counts = {"skipped": 0, "resumed": 0, "started": 0, "branched": 0, "left": 0,
               "diverged": 0, "failed": 0}
     start, done = time.perf_counter(), 0

@@ -54,7 +54,8 @@ def supports(job: LocalJob) -> bool:
 
 def clear_cache() -> None:
     """Drop cached CUDA graphs, their buffers and the chunk-size probes."""
-    _CACHE.clear()
+    while _CACHE:
+        _CACHE.popitem(last=False)[1].release()
     _CHUNK.clear()
 
 
@@ -170,6 +171,13 @@ class _Runner:
                 self.graph.replay()
             else:
                 self.step()
+
+    def release(self) -> None:
+        """Free this runner's CUDA graph now. A runner is in a reference cycle (``loss_fn`` is
+        its bound method), so without this its graph would be freed by the cyclic garbage
+        collector at any later moment, possibly while another graph is being captured, which
+        invalidates that capture ("operation not permitted when stream is capturing")."""
+        self.graph, self.job = None, None
 
     def _capture(self) -> None:
         """Warm up on a side stream (allocator, cuBLAS, compilation), then capture one step."""
@@ -317,7 +325,7 @@ def _runner(job: LocalJob, setup: _Setup, cc: int) -> _Runner:
         runner.job = job
         return runner
     while len(_CACHE) >= _CACHE_SIZE:
-        _CACHE.popitem(last=False)
+        _CACHE.popitem(last=False)[1].release()
     _CACHE[key] = runner = _Runner(job, setup, cc)
     return runner
 

@@ -4,7 +4,8 @@
 # tar.gz.partNN: `cat` them and unpack into the plan's out_dir, then `linattn study --plan P
 # --aggregate-only`). Each worker starts a run group only if it should end in time
 # (--deadline), and is killed at the limit; an interrupted run resumes if this machine is
-# still there for the next call. DONE_ARCHIVE (optional): a `linattn study --markers` archive
+# still there for the next call. The workers balance the groups not yet finished (--pending).
+# DONE_ARCHIVE (optional): a `linattn study --markers` archive
 # of the groups finished on earlier machines, so they are skipped here.
 # Usage: bash real_data/scripts/gpu_study.sh PLAN SECONDS WORKERS_PER_GPU OUTDIR [--slice GLOB ...]
 # Data: LINATTN_DATA must point at a folder holding the packed data sets (`linattn data pack`).
@@ -20,13 +21,20 @@ if [ -n "${DONE_ARCHIVE:-}" ]; then
   dest=$(python -c "from real_data import study; print(study.load_plan('$plan').out_dir)")
   mkdir -p "$dest" && tar -xzf "$DONE_ARCHIVE" -C "$dest" || exit 1
 fi
-python -m linattn study --plan "$plan" --pretrain-only "$@" 2>&1 | tee "$out/logs/pretrain.log"
-if [ "${PIPESTATUS[0]}" -ne 0 ]; then echo "pretraining failed: see $out/logs/pretrain.log"; exit 1; fi
+# the pretraining jobs the selection needs, spread over the GPUs (the k-th of every ngpu jobs)
+for ((k = 0; k < ngpu; k++)); do
+  CUDA_VISIBLE_DEVICES=$k python -m linattn study --plan "$plan" --pretrain-only \
+    --shard "$k/$ngpu" "$@" > "$out/logs/pretrain_$k.log" 2>&1 &
+done
+fail=0
+for job in $(jobs -p); do wait "$job" || fail=1; done
+cat "$out"/logs/pretrain_*.log
+if [ "$fail" -ne 0 ]; then echo "pretraining failed: see $out/logs/pretrain_*.log"; exit 1; fi
 left=$((seconds - ($(date +%s) - start)))
 if [ "$left" -le 30 ]; then echo "no time left for workers after pretraining"; workers=0; fi
 for ((k = 0; k < workers; k++)); do
   CUDA_VISIBLE_DEVICES=$((k % ngpu)) timeout -s KILL "$left" \
-    python -m linattn study --plan "$plan" --shard "$k/$workers" --deadline "$((left - 20))" \
+    python -m linattn study --plan "$plan" --shard "$k/$workers" --pending --deadline "$((left - 20))" \
     --no-tables "$@" > "$out/logs/worker_$k.log" 2>&1 &
 done
 ( while sleep 60; do nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader; done ) \

@@ -69,6 +69,16 @@ def test_real_data_figure_on_tiny_runs(quick_run, tmp_path):
     assert single[0].arm == "fedavg" and single[0].condition == "digits, alpha=0.3"
 
 
+def test_real_data_figure_reads_study_keys_of_both_splits():
+    from figures.fig7_real_data import STUDY_KEY
+    from real_data.study import _key
+
+    m = STUDY_KEY.match(_key("x", "fedfrozen_v", 40, 0.3, 1).split("/", 1)[1])
+    assert (m["arm"], m["t0"], m["alpha"], m["natural"]) == ("fedfrozen_v", "40", "0.3", None)
+    m = STUDY_KEY.match(_key("shakespeare", "fedavg", None, None, 2).split("/", 1)[1])
+    assert (m["arm"], m["t0"], m["alpha"], m["natural"]) == ("fedavg", None, None, "natural")
+
+
 def test_real_data_figure_rejects_a_folder_without_runs(tmp_path):
     from figures.common import FigureError
     from figures.fig7_real_data import make

@@ -210,3 +210,28 @@ def test_compiled_forward_matches_sequential():
     model = _model("vit")
     job = _job(model, spec=MOMENTUM, trainable=_all_but_qk(model))
     _assert_close(fast.train_fast(job, compile=True), train_sequential(job))
+
+
+def test_evicted_and_cleared_runners_release_their_graphs_at_once(monkeypatch):
+    """A runner sits in a reference cycle; its CUDA graph must be freed when it leaves the
+    cache, not by a later garbage collection that may fall inside another graph's capture."""
+
+    class Runner:
+        def __init__(self, *args):
+            self.graph, self.job = object(), object()
+
+        release = fast._Runner.release
+
+    monkeypatch.setattr(fast, "_Runner", Runner)
+    monkeypatch.setattr(fast, "_CACHE_SIZE", 2)
+    fast.clear_cache()
+    @dataclasses.dataclass(frozen=True)
+    class Setup:  # a hashable stand-in: _runner reads only .graphs before caching
+        graphs: bool
+        i: int
+
+    made = [fast._runner(None, Setup(True, i), 8) for i in range(3)]
+    assert made[0].graph is None and made[0].job is None  # evicted: released
+    assert made[1].graph is not None and made[2].graph is not None
+    fast.clear_cache()
+    assert made[1].graph is None and made[2].graph is None and not fast._CACHE

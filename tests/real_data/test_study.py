@@ -251,3 +251,36 @@ def test_deadline_leaves_groups_that_would_not_fit(tmp_path):
     counts = study.run_study(plan, deadline_s=1e-9, log=lambda *_: None)
     done = sum(study._status(s.run_dir) == "completed" for s in study.plan_runs(plan))
     assert counts["started"] == 1 and counts["left"] == len(study.plan_runs(plan)) - done
+
+
+def test_pending_shards_balance_only_the_unfinished_groups(tmp_path):
+    data = yaml.safe_load(yaml.safe_dump(PLAN))
+    data["seeds"] = [0, 1]
+    data["sweeps"][0]["arms"] = data["sweeps"][0]["arms"][:1]  # 2 single-run groups
+    plan = _plan(tmp_path, data)
+    study.run_study(plan, pattern="*/seed=0", log=lambda *_: None)
+    # over the whole plan, shard 0 of 2 owns the finished seed-0 group and has nothing to do
+    whole = study.run_study(plan, shard=(0, 2), log=lambda *_: None)
+    assert (whole["started"], whole["skipped"]) == (0, 1)
+    # over the pending groups, shard 0 takes the one left and shard 1 has none
+    a = study.run_study(plan, shard=(0, 2), pending=True, log=lambda *_: None)
+    b = study.run_study(plan, shard=(1, 2), pending=True, log=lambda *_: None)
+    assert (a["started"], a["skipped"]) == (1, 0)
+    assert (b["started"], b["skipped"]) == (0, 0)
+    assert all(study._status(s.run_dir) == "completed" for s in study.plan_runs(plan))
+
+
+def test_sharded_pretraining_splits_the_jobs(tmp_path):
+    data = yaml.safe_load(yaml.safe_dump(PLAN))
+    model = ["model.depth=1", "model.dim=8", "model.activation=relu"]
+    data["pretrain"] = [{"name": f"src{i}", "config": "digits_vit", "source": "digits",
+                         "epochs": 1, "overrides": model} for i in range(2)]
+    data["sweeps"][0]["arms"] = [{"name": f"fedsq{i}", "overrides": [
+        "algorithm.name=fedsq", "model.activation=relu", "algorithm.init=pretrained",
+        f"algorithm.pretrained={{out_dir}}/pretrained/src{i}.pt"]} for i in range(2)]
+    plan = _plan(tmp_path, data)
+    out = tmp_path / "out" / "pretrained"
+    study.run_study(plan, pretrain_only=True, shard=(1, 2), log=lambda *_: None)
+    assert [p.name for p in out.glob("*.pt")] == ["src1.pt"]
+    study.run_study(plan, pretrain_only=True, shard=(0, 2), log=lambda *_: None)
+    assert sorted(p.name for p in out.glob("*.pt")) == ["src0.pt", "src1.pt"]
