@@ -247,21 +247,55 @@ def _run_rounds(spec: RunSpec) -> int:
     return int(_config(spec, None).train.rounds)
 
 
-def _group_cost(members: list[RunSpec]) -> float:
+def _group_cost(members: list[RunSpec], pace: dict | None = None) -> float:
+    """Rounds the group trains, times the seconds per round measured for its (sweep, arm)
+    where ``pace`` has them (else one unit per round; a reference round, one client, 0.3)."""
     rounds = _run_rounds(members[0])
     cost = rounds + sum(rounds - (m.warmup_rounds or 0) for m in members[1:])
-    return cost * (0.3 if members[0].arm.reference else 1.0)  # one client: a fraction of a round
+    head = members[0]
+    if pace:
+        per_round = pace.get((head.sweep.name, head.arm.name), pace.get(head.sweep.name))
+        if per_round is None:
+            per_round = pace["*"] * (0.3 if head.arm.reference else 1.0)
+        return cost * per_round
+    return cost * (0.3 if head.arm.reference else 1.0)  # one client: a fraction of a round
 
 
-def shard_groups(groups: list[list[RunSpec]], shard: tuple[int, int]) -> list[list[RunSpec]]:
-    """The ``k``-th of ``n`` parts of ``groups``, balanced by rounds (longest first, each to
-    the least-loaded part; deterministic, so n workers given the same groups split them).
+def measured_pace(specs: list[RunSpec]) -> dict:
+    """Median GPU seconds per round of the completed runs, by (sweep, arm), by sweep and
+    overall (``"*"``); empty when none ran on a GPU. Runs on the CPU are left out."""
+    by_arm: dict[tuple, list[float]] = {}
+    for s in specs:
+        summary = s.run_dir / "summary.json"
+        if not summary.is_file():
+            continue
+        info = json.loads(summary.read_text())
+        sec = info.get("seconds_per_round")
+        if info.get("status") != "completed" or not sec or \
+                info.get("device", {}).get("type") != "cuda":
+            continue
+        by_arm.setdefault((s.sweep.name, s.arm.name), []).append(float(sec))
+    if not by_arm:
+        return {}
+    pace: dict = {k: float(np.median(v)) for k, v in by_arm.items()}
+    for sweep in {k[0] for k in by_arm}:
+        pace[sweep] = float(np.median([x for k, v in by_arm.items() if k[0] == sweep
+                                       for x in v]))
+    pace["*"] = float(np.median([x for v in by_arm.values() for x in v]))
+    return pace
+
+
+def shard_groups(groups: list[list[RunSpec]], shard: tuple[int, int],
+                 pace: dict | None = None) -> list[list[RunSpec]]:
+    """The ``k``-th of ``n`` parts of ``groups``, balanced by rounds, or by expected seconds
+    with a ``pace`` (:func:`measured_pace`) (longest first, each to the least-loaded part;
+    deterministic, so n workers given the same groups and pace split them alike).
 
     A part keeps the plan's sweep order and runs its longest groups of a sweep first, so a
     worker stopped by a time limit leaves the short groups of the last sweep it reached.
     """
     k, n = shard
-    costs = [_group_cost(g) for g in groups]
+    costs = [_group_cost(g, pace) for g in groups]
     loads, owner = [0.0] * n, {}
     for i in sorted(range(len(groups)), key=lambda i: (-costs[i], i)):
         j = min(range(n), key=lambda j: (loads[j], j))
@@ -320,9 +354,10 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
 
     ``shard=(k, n)``: only the k-th of n cost-balanced parts of the selected groups (the split
     ignores what is already done, so it never depends on when a worker starts).
-    ``pending``: balance the shards over the groups not yet finished instead (for workers
-    that all start together on a machine given the finished groups as markers, so the work
-    left is spread evenly; workers started at different times would disagree on the split).
+    ``pending``: balance the shards over the groups not yet finished instead, each weighed by
+    the GPU seconds per round measured for its arm in the finished runs (for workers that all
+    start together on a machine given the finished groups as markers, so the work left is
+    spread evenly; workers started at different times would disagree on the split).
     ``deadline_s``: start a group only if it is expected to end within this many seconds of
     the start, at the seconds per round of the groups run so far (the first always starts);
     a group that would not fit is left for later and a shorter one tried.
@@ -350,9 +385,12 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
         ensure_pretrained(plan, [m for g in todo for m in g
                                  if _status(m.run_dir) != "completed"], log, shard)
         return {"pretrained": sum(plan.pretrained_path(j).is_file() for j in plan.pretrain)}
+    # pending: workers that start together see the same finished runs, so they may also
+    # weigh each group by the seconds per round measured so far for its arm
+    pace = measured_pace([m for g in groups.values() for m in g]) if pending else None
     if shard is not None:
-        todo = shard_groups(todo, shard)  # over the whole selection (unless pending): workers
-        # started at any time agree on the split, whatever the others have finished meanwhile
+        todo = shard_groups(todo, shard, pace)  # over the whole selection (unless pending):
+        # workers started at any time agree on the split, whatever the others have finished
     ensure_pretrained(plan, [m for g in todo for m in g
                              if _status(m.run_dir) != "completed"], log)
     counts = {"skipped": 0, "resumed": 0, "started": 0, "branched": 0, "left": 0,
@@ -362,7 +400,7 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
     for members in todo:
         now = time.perf_counter() - start
         todo_here = any(_status(m.run_dir) not in FINAL for m in members)
-        cost = _group_cost(members) if deadline_s is not None else 0.0
+        cost = _group_cost(members, pace) if deadline_s is not None else 0.0
         late = deadline_s is not None and cost_done > 0 and todo_here and \
             now + cost * spent / cost_done > deadline_s
         if (max_runs is not None and done >= max_runs) or (

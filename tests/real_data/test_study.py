@@ -284,3 +284,35 @@ def test_sharded_pretraining_splits_the_jobs(tmp_path):
     assert [p.name for p in out.glob("*.pt")] == ["src1.pt"]
     study.run_study(plan, pretrain_only=True, shard=(0, 2), log=lambda *_: None)
     assert sorted(p.name for p in out.glob("*.pt")) == ["src0.pt", "src1.pt"]
+
+
+def test_measured_pace_weighs_the_pending_split(tmp_path):
+    data = yaml.safe_load(yaml.safe_dump(PLAN))
+    data["seeds"] = [0, 1, 2]
+    data["sweeps"][0]["arms"] = [{"name": "slow", "overrides": ["algorithm.name=fedprox"]},
+                                 {"name": "fast", "overrides": ["algorithm.name=fedavg"]}]
+    plan = _plan(tmp_path, data)
+    specs = study.plan_runs(plan)
+
+    def finish(spec, sec, kind="cuda"):
+        spec.run_dir.mkdir(parents=True)
+        (spec.run_dir / "summary.json").write_text(json.dumps(
+            {"status": "completed", "seconds_per_round": sec, "device": {"type": kind}}))
+
+    by_key = {s.key: s for s in specs}
+    finish(by_key["digits/slow/alpha=0.5/seed=2"], 0.6)
+    finish(by_key["digits/fast/alpha=0.5/seed=2"], 0.2)
+    finish(by_key["digits/fast/alpha=0.5/seed=1"], 9.0, kind="cpu")  # CPU runs do not count
+    pace = study.measured_pace(specs)
+    assert pace[("digits", "slow")] == pytest.approx(0.6)
+    assert pace[("digits", "fast")] == pytest.approx(0.2)
+    assert pace["digits"] == pace["*"] == pytest.approx(0.4)
+    order = ["digits/slow/alpha=0.5/seed=0", "digits/fast/alpha=0.5/seed=0",
+             "digits/slow/alpha=0.5/seed=1"]
+    groups = [[by_key[k]] for k in order]
+    # 3 rounds each: by rounds, shard 0 takes both slow groups (loads 3.6 s vs 0.6 s of
+    # measured time); by measured seconds (1.8, 0.6, 1.8) the slow groups are split
+    by_rounds = [[g[0].key for g in study.shard_groups(groups, (k, 2))] for k in range(2)]
+    by_pace = [[g[0].key for g in study.shard_groups(groups, (k, 2), pace)] for k in range(2)]
+    assert by_rounds == [[order[0], order[2]], [order[1]]]
+    assert by_pace == [[order[0], order[1]], [order[2]]]
