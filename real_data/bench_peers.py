@@ -524,10 +524,18 @@ def main(argv: list[str] | None = None) -> int:
         data["markdown"] = table
         data["source"] = Path(__file__).read_text()
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(data, indent=1) + "\n")
+        tmp = args.out.with_name(args.out.name + f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        tmp.replace(args.out)  # a killed run leaves no half-written JSON
         print(f"wrote {args.out}")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from real_data.errors import UserError
+
+    try:
+        raise SystemExit(main())
+    except UserError as exc:  # a bad option: say which and exit 2, nothing written
+        print(f"error: {exc}")
+        raise SystemExit(2) from None
