@@ -1,0 +1,96 @@
+"""real_data/scripts/gpu_study.sh end to end on the CPU, with a stand-in ``nvidia-smi`` that
+reports two GPUs: pretraining spread over them, the workers, the packed results and the
+markers, and a second "fresh machine" that, given the markers, skips every finished group and
+does not pretrain again. Catches script mistakes before they cost GPU time."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from real_data import study
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "real_data" / "scripts" / "gpu_study.sh"
+FAKE_SMI = """#!/usr/bin/env bash
+case "$*" in
+  *-L*) echo "GPU 0: stand-in"; echo "GPU 1: stand-in" ;;
+  *) echo "stand-in, 1 MiB, 0"; echo "stand-in, 1 MiB, 0" ;;
+esac
+"""
+TINY = ["train.rounds=3", "run.plot=false", "model.depth=1", "model.dim=8", "eval.clients=false"]
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None
+                    or shutil.which("split") is None, reason="needs bash, timeout and split")
+def test_gpu_study_script_runs_packs_and_resumes_from_markers(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(FAKE_SMI)
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    out_dir = tmp_path / "runs"
+    plan_data = {
+        "name": "script", "out_dir": str(out_dir), "seeds": [0, 1],
+        "pretrain": [{"name": "src", "config": "digits_vit", "source": "digits", "epochs": 1,
+                      "overrides": ["model.depth=1", "model.dim=8", "model.activation=relu"]}],
+        "sweeps": [{"name": "digits", "config": "digits_vit", "overrides": TINY,
+                    "alphas": [0.5], "arms": [
+                        {"name": "fedavg", "overrides": ["algorithm.name=fedavg"]},
+                        {"name": "frozen", "overrides": ["algorithm.name=fedfrozen",
+                                                         "algorithm.train=v"],
+                         "warmup_rounds": [0, 2]},
+                        {"name": "fedsq", "overrides": [
+                            "algorithm.name=fedsq", "model.activation=relu",
+                            "algorithm.init=pretrained",
+                            "algorithm.pretrained={out_dir}/pretrained/src.pt"]}]}],
+    }
+    plan_path = tmp_path / "plan.yaml"
+    plan_path.write_text(yaml.safe_dump(plan_data))
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{Path(sys.executable).parent}"
+           f"{os.pathsep}{os.environ.get('PATH', '')}"}
+
+    def call(out: Path, **extra) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(SCRIPT), str(plan_path), "120", "1", str(out)],
+                              cwd=ROOT, env={**env, **extra}, capture_output=True, text=True,
+                              timeout=600)
+
+    first = call(tmp_path / "out1")
+    assert first.returncode == 0, first.stdout + first.stderr
+    plan = study.load_plan(plan_path)
+    specs = study.plan_runs(plan)
+    assert len(specs) == 8 and all(study._status(s.run_dir) == "completed" for s in specs)
+    names = sorted(p.name for p in (tmp_path / "out1").iterdir())
+    assert names == ["done_markers.tar.gz", "gpu.txt", "logs.tar.gz", "study_runs.tar.gz.part00"]
+    with tarfile.open(tmp_path / "out1" / "done_markers.tar.gz") as tar:
+        members = tar.getnames()
+    assert "pretrained/src.pt" in members
+    assert sum(m.endswith("summary.json") for m in members) == 8
+    # the packed parts unpack into a fresh out_dir that aggregates to the same runs
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    data = b"".join(p.read_bytes() for p in sorted((tmp_path / "out1").glob("study_runs*")))
+    (tmp_path / "all.tar.gz").write_bytes(data)
+    with tarfile.open(tmp_path / "all.tar.gz") as tar:
+        tar.extractall(packed, filter="data")
+    rows = study.aggregate(study.load_plan(plan_path, packed))
+    assert {(r["arm"], r["warmup_rounds"]) for r in rows} == {
+        ("fedavg", None), ("frozen", 0), ("frozen", 2), ("fedsq", None)}
+    assert all(r["n_seeds"] == 2 for r in rows)
+
+    # a fresh machine given the markers: nothing is run again, nothing pretrained again
+    shutil.rmtree(out_dir)
+    second = call(tmp_path / "out2", DONE_ARCHIVE=str(tmp_path / "out1" / "done_markers.tar.gz"))
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "pretrain src" not in second.stdout
+    with tarfile.open(tmp_path / "out2" / "logs.tar.gz") as tar:
+        logs = "".join(tar.extractfile(m).read().decode() for m in tar.getmembers()
+                       if m.name.startswith("logs/worker_"))
+    assert "start " not in logs and "branch " not in logs
+    assert all(study._status(s.run_dir) == "completed" for s in specs)
