@@ -249,21 +249,27 @@ def _run_rounds(spec: RunSpec) -> int:
 
 def _group_cost(members: list[RunSpec], pace: dict | None = None) -> float:
     """Rounds the group trains, times the seconds per round measured for its (sweep, arm)
-    where ``pace`` has them (else one unit per round; a reference round, one client, 0.3)."""
+    where ``pace`` has them (:func:`measured_pace`; an arm not yet run in this sweep takes the
+    sweep's median times the arm's ratio measured elsewhere); without ``pace`` one unit per
+    round (a reference round, one client, 0.3)."""
     rounds = _run_rounds(members[0])
     cost = rounds + sum(rounds - (m.warmup_rounds or 0) for m in members[1:])
     head = members[0]
     if pace:
-        per_round = pace.get((head.sweep.name, head.arm.name), pace.get(head.sweep.name))
-        if per_round is None:
-            per_round = pace["*"] * (0.3 if head.arm.reference else 1.0)
+        per_round = pace.get((head.sweep.name, head.arm.name))
+        if per_round is None:  # the sweep's (or overall) median, times the arm's measured
+            # ratio to its sweep's median in the other sweeps (FedSQ ~2.3x, SCAFFOLD ~1.6x)
+            base = pace.get(head.sweep.name, pace["*"])
+            per_round = base * pace.get(("*", head.arm.name),
+                                        0.3 if head.arm.reference else 1.0)
         return cost * per_round
     return cost * (0.3 if head.arm.reference else 1.0)  # one client: a fraction of a round
 
 
 def measured_pace(specs: list[RunSpec]) -> dict:
     """Median GPU seconds per round of the completed runs, by (sweep, arm), by sweep and
-    overall (``"*"``); empty when none ran on a GPU. Runs on the CPU are left out."""
+    overall (``"*"``), and each arm's median ratio to its sweep's median (``("*", arm)``, for
+    an arm not yet run in some sweep); empty when none ran on a GPU. CPU runs are left out."""
     by_arm: dict[tuple, list[float]] = {}
     for s in specs:
         summary = s.run_dir / "summary.json"
@@ -282,6 +288,9 @@ def measured_pace(specs: list[RunSpec]) -> dict:
         pace[sweep] = float(np.median([x for k, v in by_arm.items() if k[0] == sweep
                                        for x in v]))
     pace["*"] = float(np.median([x for v in by_arm.values() for x in v]))
+    for arm in {k[1] for k in by_arm}:  # ("*", arm): the arm's pace relative to its sweeps'
+        pace[("*", arm)] = float(np.median([pace[k] / pace[k[0]] for k in by_arm
+                                            if k[1] == arm]))
     return pace
 
 

@@ -307,6 +307,12 @@ def test_measured_pace_weighs_the_pending_split(tmp_path):
     assert pace[("digits", "slow")] == pytest.approx(0.6)
     assert pace[("digits", "fast")] == pytest.approx(0.2)
     assert pace["digits"] == pace["*"] == pytest.approx(0.4)
+    assert pace[("*", "slow")] == pytest.approx(1.5) and pace[("*", "fast")] == pytest.approx(0.5)
+    # an arm measured only in another sweep: that sweep's ratio times this sweep's median
+    other = dict(pace, **{"other": 0.1})
+    del other[("digits", "slow")]
+    group = [by_key["digits/slow/alpha=0.5/seed=0"]]
+    assert study._group_cost(group, {**other, "digits": 0.1}) == pytest.approx(3 * 0.1 * 1.5)
     order = ["digits/slow/alpha=0.5/seed=0", "digits/fast/alpha=0.5/seed=0",
              "digits/slow/alpha=0.5/seed=1"]
     groups = [[by_key[k]] for k in order]
