@@ -1,7 +1,7 @@
 """Peer benchmark (issue 7): one FedAvg workload on linattn and on two peer simulators, side by
 side in one command on this machine's CPU (Flower's clients run in Ray worker processes).
 
-Engines (``--engines``, in this order):
+Engines (``--engines``; they run in the order given there):
 
 - ``linattn-vectorized``: the native round loop (:meth:`Federation.run_round`) with
   ``train.engine=vectorized`` (the round's clients stacked into batched kernels);
@@ -69,6 +69,7 @@ import numpy as np
 import torch
 
 from real_data.config import Config, load_config
+from real_data.errors import UserError
 from real_data.federation import Federation, FedState, sample_clients
 from real_data.metrics import step_flops
 
@@ -112,9 +113,10 @@ def with_engine(cfg: Config, engine: str) -> Config:
 def _check_fedavg(cfg: Config) -> None:
     t = cfg.train
     if cfg.algorithm.name != "fedavg" or t.local_steps is None:
-        raise ValueError("the peer benchmark runs FedAvg with train.local_steps (K) set")
+        raise UserError("bench_peers: algorithm.name must be fedavg and train.local_steps (K) "
+                        "set; drop the overrides that change them")
     if float(getattr(cfg.model.params, "dropout", 0.0)) > 0:
-        raise ValueError("the peer benchmark needs model.dropout=0 (deterministic training)")
+        raise UserError("bench_peers: model.dropout must be 0 (deterministic training)")
 
 
 # -- linattn: native round loop, and Flower -----------------------------------------------------
@@ -510,11 +512,18 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     bad = [e for e in args.engines if e not in ENGINES]
-    if bad or args.rounds < 1 or args.warmup < 0:
-        from real_data.errors import UserError
-
-        raise UserError(f"bench_peers: unknown engines {bad} (valid: {', '.join(ENGINES)}) or "
-                        "--rounds < 1 / --warmup < 0")
+    if bad:
+        raise UserError(f"bench_peers: unknown engines {bad} (valid: {', '.join(ENGINES)})")
+    if args.rounds < 1 or args.warmup < 0 or args.threads < 1 or args.flower_actors < 1:
+        raise UserError("bench_peers: needs --rounds >= 1, --warmup >= 0, --threads >= 1 and "
+                        "--flower-actors >= 1")
+    if "pfl" in args.engines and args.warmup < 1:
+        raise UserError("bench_peers: pfl evaluates every user in its first round; give "
+                        "--warmup >= 1 so that round is not timed")
+    extra = [] if args.num_clients is None else [f"partition.num_clients={args.num_clients}"]
+    _check_fedavg(bench_config(args.config, args.clients_per_round, args.local_steps,
+                               args.batch_size, args.warmup + args.rounds,
+                               [*extra, *args.overrides]))  # bad overrides: exit 2, no run
     started = time.perf_counter()
     data = run_all(args, lambda s: print(s, flush=True))
     data["total_wall_s"] = time.perf_counter() - started
@@ -532,8 +541,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from real_data.errors import UserError
-
     try:
         raise SystemExit(main())
     except UserError as exc:  # a bad option: say which and exit 2, nothing written

@@ -153,8 +153,12 @@ def _study(argv: list[str]) -> int:
     ap.add_argument("--shard", help="k/n: run the k-th (0-based) of n cost-balanced parts of "
                     "the selection (n workers side by side)")
     ap.add_argument("--pending", action="store_true",
-                    help="with --shard: balance the parts over the groups not yet finished "
-                    "(all workers must start together, e.g. on a fresh machine given --markers)")
+                    help="run only the groups not yet finished and, with --shard, balance the "
+                    "parts over them, weighed by measured seconds per round (all workers must "
+                    "start together, e.g. on a fresh machine given --markers)")
+    ap.add_argument("--pending-before", type=float, metavar="UNIX_TIME",
+                    help="as --pending, counting as finished only runs finished before this "
+                    "time, so workers started a few seconds apart agree on the split")
     ap.add_argument("--pretrain-only", action="store_true",
                     help="only run the plan's missing pretraining jobs the selection needs "
                     "(before starting several --shard workers; with --shard k/n, the k-th of "
@@ -195,7 +199,9 @@ def _study(argv: list[str]) -> int:
     if not args.aggregate_only:
         counts = study.run_study(plan, args.slice, args.max_runs, args.budget, shard=shard,
                                  pretrain_only=args.pretrain_only, deadline_s=args.deadline,
-                                 pending=args.pending)
+                                 pending=(args.pending_before
+                                          if args.pending_before is not None
+                                          else args.pending))
         print("study:", ", ".join(f"{k} {v}" for k, v in counts.items()))
         if args.pretrain_only:
             return 0

@@ -247,13 +247,16 @@ def _run_rounds(spec: RunSpec) -> int:
     return int(_config(spec, None).train.rounds)
 
 
-def _group_cost(members: list[RunSpec], pace: dict | None = None) -> float:
+def _group_cost(members: list[RunSpec], pace: dict | None = None,
+                skip: frozenset = frozenset()) -> float:
     """Rounds the group trains, times the seconds per round measured for its (sweep, arm)
     where ``pace`` has them (:func:`measured_pace`; an arm not yet run in this sweep takes the
     sweep's median times the arm's ratio measured elsewhere); without ``pace`` one unit per
-    round (a reference round, one client, 0.3)."""
+    round (a reference round, one client, 0.3). Members whose key is in ``skip`` (finished)
+    cost nothing."""
     rounds = _run_rounds(members[0])
-    cost = rounds + sum(rounds - (m.warmup_rounds or 0) for m in members[1:])
+    cost = (0 if members[0].key in skip else rounds) + sum(
+        rounds - (m.warmup_rounds or 0) for m in members[1:] if m.key not in skip)
     head = members[0]
     if pace:
         per_round = pace.get((head.sweep.name, head.arm.name))
@@ -266,14 +269,14 @@ def _group_cost(members: list[RunSpec], pace: dict | None = None) -> float:
     return cost * (0.3 if head.arm.reference else 1.0)  # one client: a fraction of a round
 
 
-def measured_pace(specs: list[RunSpec]) -> dict:
+def measured_pace(specs: list[RunSpec], before: float | None = None) -> dict:
     """Median GPU seconds per round of the completed runs, by (sweep, arm), by sweep and
     overall (``"*"``), and each arm's median ratio to its sweep's median (``("*", arm)``, for
     an arm not yet run in some sweep); empty when none ran on a GPU. CPU runs are left out."""
     by_arm: dict[tuple, list[float]] = {}
     for s in specs:
         summary = s.run_dir / "summary.json"
-        if not summary.is_file():
+        if not summary.is_file() or (before is not None and summary.stat().st_mtime > before):
             continue
         info = json.loads(summary.read_text())
         sec = info.get("seconds_per_round")
@@ -295,7 +298,8 @@ def measured_pace(specs: list[RunSpec]) -> dict:
 
 
 def shard_groups(groups: list[list[RunSpec]], shard: tuple[int, int],
-                 pace: dict | None = None) -> list[list[RunSpec]]:
+                 pace: dict | None = None, skip: frozenset = frozenset()
+                 ) -> list[list[RunSpec]]:
     """The ``k``-th of ``n`` parts of ``groups``, balanced by rounds, or by expected seconds
     with a ``pace`` (:func:`measured_pace`) (longest first, each to the least-loaded part;
     deterministic, so n workers given the same groups and pace split them alike).
@@ -304,7 +308,7 @@ def shard_groups(groups: list[list[RunSpec]], shard: tuple[int, int],
     worker stopped by a time limit leaves the short groups of the last sweep it reached.
     """
     k, n = shard
-    costs = [_group_cost(g, pace) for g in groups]
+    costs = [_group_cost(g, pace, skip) for g in groups]
     loads, owner = [0.0] * n, {}
     for i in sorted(range(len(groups)), key=lambda i: (-costs[i], i)):
         j = min(range(n), key=lambda j: (loads[j], j))
@@ -347,6 +351,14 @@ def ensure_pretrained(plan: Plan, specs: list[RunSpec], log=print,
     return written
 
 
+def _finished_before(run_dir: Path, before: float | None) -> bool:
+    """Final (completed or diverged) by ``before`` (a Unix time; None: now)."""
+    summary = run_dir / "summary.json"
+    if before is not None and summary.is_file() and summary.stat().st_mtime > before:
+        return False
+    return _status(run_dir) in FINAL
+
+
 def _status(run_dir: Path) -> str:
     summary = run_dir / "summary.json"
     if summary.is_file():
@@ -357,7 +369,7 @@ def _status(run_dir: Path) -> str:
 def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int | None = None,
               budget_s: float | None = None, log=print,
               shard: tuple[int, int] | None = None, pretrain_only: bool = False,
-              deadline_s: float | None = None, pending: bool = False) -> dict:
+              deadline_s: float | None = None, pending: bool | float = False) -> dict:
     """Run what is missing, resume what was interrupted; returns counts by outcome (a run
     that fails is logged and counted under ``failed``; the others go on).
 
@@ -366,7 +378,10 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
     ``pending``: balance the shards over the groups not yet finished instead, each weighed by
     the GPU seconds per round measured for its arm in the finished runs (for workers that all
     start together on a machine given the finished groups as markers, so the work left is
-    spread evenly; workers started at different times would disagree on the split).
+    spread evenly). A Unix time freezes what counts as finished: runs whose summary.json was
+    written after it count as unfinished, so workers that start a few seconds apart, while
+    another one already finishes groups, still agree on the split (gpu_study.sh passes the
+    time it launches them).
     ``deadline_s``: start a group only if it is expected to end within this many seconds of
     the start, at the seconds per round of the groups run so far (the first always starts);
     a group that would not fit is left for later and a shorter one tried.
@@ -388,17 +403,22 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
     for s in specs:
         groups.setdefault((s.sweep.name, s.arm.name, s.alpha, s.seed), []).append(s)
     todo = list(groups.values())
-    if pending:
-        todo = [g for g in todo if any(_status(m.run_dir) not in FINAL for m in g)]
+    before = None if isinstance(pending, bool) else float(pending)
+    done_then = frozenset(m.key for g in todo for m in g if _finished_before(m.run_dir, before)) \
+        if pending is not False else frozenset()
+    if pending is not False:
+        todo = [g for g in todo if any(m.key not in done_then for m in g)]
     if pretrain_only:
         ensure_pretrained(plan, [m for g in todo for m in g
                                  if _status(m.run_dir) != "completed"], log, shard)
         return {"pretrained": sum(plan.pretrained_path(j).is_file() for j in plan.pretrain)}
     # pending: workers that start together see the same finished runs, so they may also
     # weigh each group by the seconds per round measured so far for its arm
-    pace = measured_pace([m for g in groups.values() for m in g]) if pending else None
+    pace = measured_pace([m for g in groups.values() for m in g], before) \
+        if pending is not False else None
     if shard is not None:
-        todo = shard_groups(todo, shard, pace)  # over the whole selection (unless pending):
+        todo = shard_groups(todo, shard, pace, done_then)  # over the whole selection (unless
+        # pending):
         # workers started at any time agree on the split, whatever the others have finished
     ensure_pretrained(plan, [m for g in todo for m in g
                              if _status(m.run_dir) != "completed"], log)
@@ -408,10 +428,13 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
     spent, cost_done = 0.0, 0.0  # seconds and rounds of the groups run here (for deadline_s)
     for members in todo:
         now = time.perf_counter() - start
-        todo_here = any(_status(m.run_dir) not in FINAL for m in members)
-        cost = _group_cost(members, pace) if deadline_s is not None else 0.0
-        late = deadline_s is not None and cost_done > 0 and todo_here and \
-            now + cost * spent / cost_done > deadline_s
+        finished = frozenset(m.key for m in members if _status(m.run_dir) in FINAL)
+        todo_here = len(finished) < len(members)
+        cost = _group_cost(members, pace, finished) if deadline_s is not None else 0.0
+        # at the pace of the groups run here; before any, a measured pace is already seconds
+        ratio = spent / cost_done if cost_done > 0 else (1.0 if pace else None)
+        late = deadline_s is not None and ratio is not None and todo_here and \
+            now + cost * ratio > deadline_s
         if (max_runs is not None and done >= max_runs) or (
                 budget_s is not None and now > budget_s) or late:
             counts["left"] += sum(_status(m.run_dir) not in FINAL for m in members)

@@ -173,11 +173,12 @@ class _Runner:
                 self.step()
 
     def release(self) -> None:
-        """Free this runner's CUDA graph now. A runner is in a reference cycle (``loss_fn`` is
-        its bound method), so without this its graph would be freed by the cyclic garbage
+        """Free this runner's CUDA graph now and break its reference cycle (``loss_fn`` is its
+        bound method). Without this its graph would be freed by the cyclic garbage
         collector at any later moment, possibly while another graph is being captured, which
         invalidates that capture ("operation not permitted when stream is capturing")."""
-        self.graph, self.job = None, None
+        self.graph, self.job, self.loss_fn = None, None, None  # loss_fn: breaks the cycle,
+        # so the buffers go with the last reference too
 
     def _capture(self) -> None:
         """Warm up on a side stream (allocator, cuBLAS, compilation), then capture one step."""
@@ -308,6 +309,7 @@ def _max_chunk(job: LocalJob, setup: _Setup, clients: int) -> int:
     probe.run(job, torch.arange(k, device=dev), 1)
     torch.cuda.synchronize(dev)
     per_client = (torch.cuda.max_memory_allocated(dev) - before) / k
+    probe.release()
     del probe
     free, _ = torch.cuda.mem_get_info(dev)
     free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)

@@ -4,7 +4,8 @@
 # tar.gz.partNN: `cat` them and unpack into the plan's out_dir, then `linattn study --plan P
 # --aggregate-only`). Each worker starts a run group only if it should end in time
 # (--deadline), and is killed at the limit; an interrupted run resumes if this machine is
-# still there for the next call. The workers balance the groups not yet finished (--pending).
+# still there for the next call. The workers balance the groups not yet finished at their launch
+# (--pending-before).
 # DONE_ARCHIVE (optional): a `linattn study --markers` archive
 # of the groups finished on earlier machines, so they are skipped here.
 # Usage: bash real_data/scripts/gpu_study.sh PLAN SECONDS WORKERS_PER_GPU OUTDIR [--slice GLOB ...]
@@ -15,6 +16,7 @@ seconds=${2:?seconds}; per_gpu=${3:?workers per gpu}; out=${4:?outdir}; shift 4
 mkdir -p "$out/logs"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 ngpu=$(nvidia-smi -L | wc -l)
+if [ "$ngpu" -lt 1 ]; then echo "no GPU listed by nvidia-smi -L"; exit 1; fi
 workers=$((ngpu * per_gpu))
 start=$(date +%s)
 if [ -n "${DONE_ARCHIVE:-}" ]; then
@@ -22,25 +24,39 @@ if [ -n "${DONE_ARCHIVE:-}" ]; then
   mkdir -p "$dest" && tar -xzf "$DONE_ARCHIVE" -C "$dest" || exit 1
 fi
 # the pretraining jobs the selection needs, spread over the GPUs (the k-th of every ngpu jobs)
+# (killed well before the call's limit, so the markers of what exists still get written)
+pids=()
 for ((k = 0; k < ngpu; k++)); do
-  CUDA_VISIBLE_DEVICES=$k python -m linattn study --plan "$plan" --pretrain-only \
+  CUDA_VISIBLE_DEVICES=$k timeout -s KILL "$((seconds / 2))" \
+    python -m linattn study --plan "$plan" --pretrain-only \
     --shard "$k/$ngpu" "$@" > "$out/logs/pretrain_$k.log" 2>&1 &
+  pids+=($!)
 done
 fail=0
-for job in $(jobs -p); do wait "$job" || fail=1; done
+for p in "${pids[@]}"; do wait "$p" || fail=1; done
 cat "$out"/logs/pretrain_*.log
-if [ "$fail" -ne 0 ]; then echo "pretraining failed: see $out/logs/pretrain_*.log"; exit 1; fi
+if [ "$fail" -ne 0 ]; then
+  echo "pretraining failed: see $out/logs/pretrain_*.log"
+  python -m linattn study --plan "$plan" --aggregate-only --no-tables \
+    --markers "$out/done_markers.tar.gz" | tail -1
+  tar -czf "$out/logs.tar.gz" -C "$out" logs && rm -rf "$out/logs"
+  exit 1
+fi
 left=$((seconds - ($(date +%s) - start)))
 if [ "$left" -le 30 ]; then echo "no time left for workers after pretraining"; workers=0; fi
+launch=$(date +%s)  # what finished before this is what every worker counts as finished
+wpids=()
 for ((k = 0; k < workers; k++)); do
   CUDA_VISIBLE_DEVICES=$((k % ngpu)) timeout -s KILL "$left" \
-    python -m linattn study --plan "$plan" --shard "$k/$workers" --pending --deadline "$((left - 20))" \
+    python -m linattn study --plan "$plan" --shard "$k/$workers" --pending-before "$launch" \
+    --deadline "$((left - 20))" \
     --no-tables "$@" > "$out/logs/worker_$k.log" 2>&1 &
+  wpids+=($!)
 done
 ( while sleep 60; do nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader; done ) \
   > "$out/logs/utilization.log" 2>&1 &
 monitor=$!
-wait $(jobs -p | grep -v "^$monitor$") 2>/dev/null
+for p in "${wpids[@]}"; do wait "$p"; done
 kill "$monitor" 2>/dev/null
 echo "workers stopped after $(($(date +%s) - start)) s"
 python -m linattn study --plan "$plan" --list | awk '{print $1}' | sort | uniq -c

@@ -219,6 +219,7 @@ def test_evicted_and_cleared_runners_release_their_graphs_at_once(monkeypatch):
     class Runner:
         def __init__(self, *args):
             self.graph, self.job = object(), object()
+            self.loss_fn = self.release  # a bound method: the cycle a real runner has
 
         release = fast._Runner.release
 
@@ -232,6 +233,7 @@ def test_evicted_and_cleared_runners_release_their_graphs_at_once(monkeypatch):
 
     made = [fast._runner(None, Setup(True, i), 8) for i in range(3)]
     assert made[0].graph is None and made[0].job is None  # evicted: released
+    assert made[0].loss_fn is None  # and out of its reference cycle
     assert made[1].graph is not None and made[2].graph is not None
     fast.clear_cache()
     assert made[1].graph is None and made[2].graph is None and not fast._CACHE

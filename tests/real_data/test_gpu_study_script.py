@@ -63,6 +63,7 @@ def test_gpu_study_script_runs_packs_and_resumes_from_markers(tmp_path):
 
     first = call(tmp_path / "out1")
     assert first.returncode == 0, first.stdout + first.stderr
+    assert "pretrain src" in first.stdout  # pretrained once, by the pretraining step
     plan = study.load_plan(plan_path)
     specs = study.plan_runs(plan)
     assert len(specs) == 8 and all(study._status(s.run_dir) == "completed" for s in specs)
@@ -94,3 +95,27 @@ def test_gpu_study_script_runs_packs_and_resumes_from_markers(tmp_path):
                        if m.name.startswith("logs/worker_"))
     assert "start " not in logs and "branch " not in logs
     assert all(study._status(s.run_dir) == "completed" for s in specs)
+
+
+def test_gpu_study_script_stops_when_pretraining_fails(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(FAKE_SMI)
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    plan_path = tmp_path / "plan.yaml"
+    plan_path.write_text(yaml.safe_dump({
+        "name": "broken", "out_dir": str(tmp_path / "runs"), "seeds": [0],
+        "pretrain": [{"name": "src", "config": "digits_vit", "source": "digits", "epochs": 1,
+                      "overrides": ["model.nonsense=1"]}],
+        "sweeps": [{"name": "digits", "config": "digits_vit", "overrides": TINY,
+                    "alphas": [0.5], "arms": [{"name": "fedsq", "overrides": [
+                        "algorithm.name=fedsq", "model.activation=relu",
+                        "algorithm.init=pretrained",
+                        "algorithm.pretrained={out_dir}/pretrained/src.pt"]}]}]}))
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{Path(sys.executable).parent}"
+           f"{os.pathsep}{os.environ.get('PATH', '')}"}
+    res = subprocess.run(["bash", str(SCRIPT), str(plan_path), "120", "1", str(tmp_path / "o")],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1 and "pretraining failed" in res.stdout
+    assert not (tmp_path / "o" / "logs").exists() and (tmp_path / "o" / "logs.tar.gz").is_file()
+    assert not list((tmp_path / "o").glob("study_runs*"))  # no worker ran

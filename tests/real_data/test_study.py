@@ -263,10 +263,10 @@ def test_pending_shards_balance_only_the_unfinished_groups(tmp_path):
     whole = study.run_study(plan, shard=(0, 2), log=lambda *_: None)
     assert (whole["started"], whole["skipped"]) == (0, 1)
     # over the pending groups, shard 0 takes the one left and shard 1 has none
-    a = study.run_study(plan, shard=(0, 2), pending=True, log=lambda *_: None)
     b = study.run_study(plan, shard=(1, 2), pending=True, log=lambda *_: None)
+    assert (b["started"], b["skipped"]) == (0, 0)  # shard 1 has no pending group
+    a = study.run_study(plan, shard=(0, 2), pending=True, log=lambda *_: None)
     assert (a["started"], a["skipped"]) == (1, 0)
-    assert (b["started"], b["skipped"]) == (0, 0)
     assert all(study._status(s.run_dir) == "completed" for s in study.plan_runs(plan))
 
 
@@ -322,3 +322,20 @@ def test_measured_pace_weighs_the_pending_split(tmp_path):
     by_pace = [[g[0].key for g in study.shard_groups(groups, (k, 2), pace)] for k in range(2)]
     assert by_rounds == [[order[0], order[2]], [order[1]]]
     assert by_pace == [[order[0], order[1]], [order[2]]]
+
+
+def test_pending_before_freezes_what_counts_as_finished(tmp_path):
+    import time
+
+    data = yaml.safe_load(yaml.safe_dump(PLAN))
+    data["seeds"] = [0, 1]
+    data["sweeps"][0]["arms"] = data["sweeps"][0]["arms"][:1]  # 2 single-run groups
+    plan = _plan(tmp_path, data)
+    launch = time.time() - 1.0  # the workers' launch, before seed 0 finished
+    study.run_study(plan, pattern="*/seed=0", log=lambda *_: None)
+    # as of the launch both groups were pending: shard 0 owns seed 0 (finished meanwhile by
+    # another worker: skipped), shard 1 owns seed 1; a worker reading "now" would disagree
+    late = study.run_study(plan, shard=(0, 2), pending=launch, log=lambda *_: None)
+    assert (late["started"], late["skipped"]) == (0, 1)
+    other = study.run_study(plan, shard=(1, 2), pending=launch, log=lambda *_: None)
+    assert (other["started"], other["skipped"]) == (1, 0)
