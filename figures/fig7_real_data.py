@@ -4,7 +4,8 @@ A run directory holds ``config.yaml``, ``metrics.csv`` (long format: round, clie
 value; client ``global`` or an id) and ``summary.json``. Every run directory under RUNS_DIR is
 read (a study's ``out_dir`` works as is). Runs are grouped into conditions (a study's
 ``<sweep>/alpha=<a>`` or ``<sweep>/natural``, else data set and partition) and arms (a study's
-arm name, else the algorithm), and seeds are averaged (mean +- std). One row of panels per condition:
+arm name, else the algorithm), and seeds are averaged (mean +- std). One row of panels per
+condition:
 
 1. global test accuracy per round, one curve per arm (for a FedFrozen T0 sweep: the T0 closest
    to the recommended one, else the best);
