@@ -28,13 +28,20 @@ esac
 TINY = ["train.rounds=3", "run.plot=false", "model.depth=1", "model.dim=8", "eval.clients=false"]
 
 
-@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None
-                    or shutil.which("split") is None, reason="needs bash, timeout and split")
-def test_gpu_study_script_runs_packs_and_resumes_from_markers(tmp_path):
+def _stand_in_env(tmp_path: Path) -> dict:
+    """The environment with a stand-in ``nvidia-smi`` (two GPUs) and this Python first."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "nvidia-smi").write_text(FAKE_SMI)
     (bin_dir / "nvidia-smi").chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{Path(sys.executable).parent}"
+            f"{os.pathsep}{os.environ.get('PATH', '')}"}
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None
+                    or shutil.which("split") is None, reason="needs bash, timeout and split")
+def test_gpu_study_script_runs_packs_and_resumes_from_markers(tmp_path):
+    env = _stand_in_env(tmp_path)
     out_dir = tmp_path / "runs"
     plan_data = {
         "name": "script", "out_dir": str(out_dir), "seeds": [0, 1],
@@ -53,8 +60,6 @@ def test_gpu_study_script_runs_packs_and_resumes_from_markers(tmp_path):
     }
     plan_path = tmp_path / "plan.yaml"
     plan_path.write_text(yaml.safe_dump(plan_data))
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{Path(sys.executable).parent}"
-           f"{os.pathsep}{os.environ.get('PATH', '')}"}
 
     def call(out: Path, **extra) -> subprocess.CompletedProcess:
         return subprocess.run(["bash", str(SCRIPT), str(plan_path), "120", "1", str(out)],
@@ -98,10 +103,7 @@ def test_gpu_study_script_runs_packs_and_resumes_from_markers(tmp_path):
 
 
 def test_gpu_study_script_stops_when_pretraining_fails(tmp_path):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "nvidia-smi").write_text(FAKE_SMI)
-    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = _stand_in_env(tmp_path)
     plan_path = tmp_path / "plan.yaml"
     plan_path.write_text(yaml.safe_dump({
         "name": "broken", "out_dir": str(tmp_path / "runs"), "seeds": [0],
@@ -112,8 +114,6 @@ def test_gpu_study_script_stops_when_pretraining_fails(tmp_path):
                         "algorithm.name=fedsq", "model.activation=relu",
                         "algorithm.init=pretrained",
                         "algorithm.pretrained={out_dir}/pretrained/src.pt"]}]}]}))
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{Path(sys.executable).parent}"
-           f"{os.pathsep}{os.environ.get('PATH', '')}"}
     res = subprocess.run(["bash", str(SCRIPT), str(plan_path), "120", "1", str(tmp_path / "o")],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 1 and "pretraining failed" in res.stdout
