@@ -52,10 +52,12 @@ def new_figure(ncols: int = 1, width: float = 4.6, height: float = 3.4, nrows: i
     return fig, (axes[0] if nrows == 1 else axes)
 
 
-def save(fig, name: str, out_dir: Path | None = None, tight: bool = True) -> list[Path]:
+def save(fig, name: str, out_dir: Path | None = None, tight: bool = True,
+         dpi: float | None = None) -> list[Path]:
     """Write ``name.png`` and ``name.pdf`` into ``out_dir`` (default figures/out/) atomically.
 
-    ``tight=False`` skips ``tight_layout`` (figures with a colour bar spanning panels).
+    ``tight=False`` skips ``tight_layout`` (figures with a colour bar spanning panels);
+    ``dpi`` overrides the PNG resolution (default 150).
     """
     out = Path(out_dir) if out_dir is not None else OUT_DIR
     out.mkdir(parents=True, exist_ok=True)
@@ -67,7 +69,7 @@ def save(fig, name: str, out_dir: Path | None = None, tight: bool = True) -> lis
         fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{name}.", suffix=f".{ext}")
         os.close(fd)
         try:
-            fig.savefig(tmp, format=ext)
+            fig.savefig(tmp, format=ext, **({"dpi": dpi} if dpi and ext == "png" else {}))
             os.replace(tmp, target)
         finally:
             if os.path.exists(tmp):

@@ -377,6 +377,17 @@ def render_markdown(data: dict) -> str:
     return "\n".join(out)
 
 
+def _cpu_name() -> str:
+    """The CPU's model name (from /proc/cpuinfo where there is one)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _provenance(device: torch.device) -> dict:
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
@@ -385,7 +396,7 @@ def _provenance(device: torch.device) -> dict:
                                     text=True, cwd=Path(__file__).parent, timeout=10).stdout)
     except (OSError, subprocess.SubprocessError):
         commit, dirty = "", None
-    dev = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+    dev = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
     return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "device": dev, "torch": torch.__version__, "cuda": torch.version.cuda,
             "python": platform.python_version(), "git_commit": commit, "git_dirty": dirty}

@@ -339,18 +339,6 @@ def _versions() -> dict:
     return out
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
-
-
 def _row(name: str, how: str, threads: str, res: dict, warmup: int, samples: int) -> dict:
     timed = res["times_s"][warmup:]
     med = statistics.median(timed)
@@ -442,7 +430,7 @@ def run_all(args: argparse.Namespace, log: Callable[[str], None] = print) -> dic
         if "linattn-sequential" in finals:
             r["param_rel_diff_vs_sequential"] = relative_difference(
                 finals[r["engine"]], finals["linattn-sequential"])
-    from real_data.bench import _provenance
+    from real_data.bench import _cpu_name, _provenance
 
     return {"benchmark": "peers (issue 7): one FedAvg workload on linattn, Flower, pfl",
             **_provenance(torch.device("cpu")),

@@ -275,10 +275,9 @@ def measured_pace(specs: list[RunSpec], before: float | None = None) -> dict:
     an arm not yet run in some sweep); empty when none ran on a GPU. CPU runs are left out."""
     by_arm: dict[tuple, list[float]] = {}
     for s in specs:
-        summary = s.run_dir / "summary.json"
-        if not summary.is_file() or (before is not None and summary.stat().st_mtime > before):
+        if not _finished_before(s.run_dir, before):
             continue
-        info = json.loads(summary.read_text())
+        info = json.loads((s.run_dir / "summary.json").read_text())
         sec = info.get("seconds_per_round")
         if info.get("status") != "completed" or not sec or \
                 info.get("device", {}).get("type") != "cuda":
@@ -383,8 +382,9 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
     another one already finishes groups, still agree on the split (gpu_study.sh passes the
     time it launches them).
     ``deadline_s``: start a group only if it is expected to end within this many seconds of
-    the start, at the seconds per round of the groups run so far (the first always starts);
-    a group that would not fit is left for later and a shorter one tried.
+    the start, at the pace of the groups run so far (before any: the measured pace when
+    ``pending``, else the first group always starts); a group that would not fit is left for
+    later and a shorter one tried.
     With ``pretrain_only`` and ``shard=(k, n)``, the k-th of every n pretraining jobs the
     whole selection needs is run (one process per GPU pretrains side by side).
     """
@@ -417,9 +417,9 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
     pace = measured_pace([m for g in groups.values() for m in g], before) \
         if pending is not False else None
     if shard is not None:
-        todo = shard_groups(todo, shard, pace, done_then)  # over the whole selection (unless
-        # pending):
-        # workers started at any time agree on the split, whatever the others have finished
+        # without pending, over the whole selection: workers started at any time agree on
+        # the split, whatever the others have finished meanwhile
+        todo = shard_groups(todo, shard, pace, done_then)
     ensure_pretrained(plan, [m for g in todo for m in g
                              if _status(m.run_dir) != "completed"], log)
     counts = {"skipped": 0, "resumed": 0, "started": 0, "branched": 0, "left": 0,

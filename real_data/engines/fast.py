@@ -177,8 +177,7 @@ class _Runner:
         bound method). Without this its graph would be freed by the cyclic garbage
         collector at any later moment, possibly while another graph is being captured, which
         invalidates that capture ("operation not permitted when stream is capturing")."""
-        self.graph, self.job, self.loss_fn = None, None, None  # loss_fn: breaks the cycle,
-        # so the buffers go with the last reference too
+        self.graph, self.job, self.loss_fn = None, None, None
 
     def _capture(self) -> None:
         """Warm up on a side stream (allocator, cuBLAS, compilation), then capture one step."""
