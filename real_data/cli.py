@@ -207,9 +207,10 @@ def _study(argv: list[str]) -> int:
             return 0
         failed = counts.get("failed", 0)
     if not args.no_tables:
-        rows = study.aggregate(plan)
+        runs = study.run_rows(plan)
+        rows = study.aggregate(plan, runs)
         for folder in [plan.out_dir / "tables", *([args.export] if args.export else [])]:
-            paths = study.write_tables(rows, folder)
+            paths = study.write_tables(rows, folder, runs)
             print(f"wrote {', '.join(str(p) for p in paths)}")
     if args.markers is not None:
         print(f"marked {study.write_markers(plan, args.markers)} finished runs in {args.markers}")

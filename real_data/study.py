@@ -569,31 +569,74 @@ def _run_row(spec: RunSpec) -> dict | None:
     return row
 
 
-def aggregate(plan: Plan) -> list[dict]:
-    """One row per (sweep, arm, T0, alpha): mean, std and n over seeds of every run metric."""
-    cells: dict[tuple, list[tuple[RunSpec, dict]]] = {}
+def run_rows(plan: Plan) -> list[dict]:
+    """One row per completed run: its sweep, arm, T0, alpha and seed, every run metric, and the
+    kernel deviation of its warm-up snapshot from the reference of the same seed (None where
+    there is no T0 or no reference snapshot). Runs of one seed share the initialization and the
+    partition, so per-seed differences (:func:`paired_differences`) are paired."""
+    out = []
     for spec in plan_runs(plan):
         row = _run_row(spec)
-        if row is not None:
-            cells.setdefault((spec.sweep.name, spec.arm.name, spec.warmup_rounds, spec.alpha),
-                             []).append((spec, row))
+        if row is None:
+            continue
+        dev = _kernel_deviations(plan, spec.sweep.name, spec.arm.name, spec.warmup_rounds,
+                                 spec.alpha, [spec])
+        out.append({"sweep": spec.sweep.name, "arm": spec.arm.name,
+                    "warmup_rounds": spec.warmup_rounds, "alpha": spec.alpha,
+                    "seed": spec.seed, **row, "kernel_deviation": dev[0] if dev else None})
+    return out
+
+
+def aggregate(plan: Plan, runs: list[dict] | None = None) -> list[dict]:
+    """One row per (sweep, arm, T0, alpha): mean, std and n over seeds of every run metric
+    (``runs``: :func:`run_rows` of the plan, computed here when not given)."""
+    cells: dict[tuple, list[dict]] = {}
+    for r in run_rows(plan) if runs is None else runs:
+        cells.setdefault((r["sweep"], r["arm"], r["warmup_rounds"], r["alpha"]), []).append(r)
     out = []
     for (sweep, arm, t0, alpha), items in cells.items():
         rec = {"sweep": sweep, "arm": arm, "warmup_rounds": t0, "alpha": alpha,
-               "n_seeds": len(items), "device": items[0][1]["device"]}
+               "n_seeds": len(items), "device": items[0]["device"]}
         for metric in ("final_acc", "best_acc", "rounds_to_best", "last_acc_var",
                        "personal_acc", "grad_norm_jump", "bytes_up", "bytes_down",
                        "train_flops", "seconds_per_round"):
-            values = np.array([r[metric] for _, r in items], dtype=np.float64)
+            values = np.array([r[metric] for r in items], dtype=np.float64)
             rec[f"{metric}_mean"] = float(np.nanmean(values)) if np.any(np.isfinite(values)) \
                 else None
             rec[f"{metric}_std"] = float(np.nanstd(values)) if np.any(np.isfinite(values)) \
                 else None
-        dev = _kernel_deviations(plan, sweep, arm, t0, alpha, [s for s, _ in items])
+        dev = [r["kernel_deviation"] for r in items if r["kernel_deviation"] is not None]
         rec["kernel_deviation_mean"] = float(np.mean(dev)) if dev else None
         rec["kernel_deviation_std"] = float(np.std(dev)) if dev else None
         rec["kernel_deviation_n"] = len(dev)  # seeds whose reference run exists
         out.append(rec)
+    return out
+
+
+def paired_differences(runs: list[dict], against: str = "fedavg",
+                       metric: str = "final_acc") -> list[dict]:
+    """Per (sweep, arm, T0, alpha): the mean over seeds of ``metric`` minus the ``against``
+    arm's (its T0-free run of the same sweep, alpha and seed), its standard error (std with
+    ddof = 1 of the per-seed differences over sqrt n; None for n < 2) and n. Seeds without a
+    finished ``against`` run are left out."""
+    base = {(r["sweep"], r["alpha"], r["seed"]): r[metric] for r in runs
+            if r["arm"] == against and r["warmup_rounds"] is None}
+    cells: dict[tuple, list[float]] = {}
+    for r in runs:
+        if r["arm"] == against and r["warmup_rounds"] is None:
+            continue
+        b = base.get((r["sweep"], r["alpha"], r["seed"]))
+        if b is None or not np.isfinite(b) or not np.isfinite(r[metric]):
+            continue
+        cells.setdefault((r["sweep"], r["arm"], r["warmup_rounds"], r["alpha"]),
+                         []).append(r[metric] - b)
+    out = []
+    for (sweep, arm, t0, alpha), diffs in cells.items():
+        d = np.array(diffs, dtype=np.float64)
+        se = float(d.std(ddof=1) / np.sqrt(d.size)) if d.size > 1 else None
+        out.append({"sweep": sweep, "arm": arm, "warmup_rounds": t0, "alpha": alpha,
+                    "against": against, "metric": metric, "n": int(d.size),
+                    "diff_mean": float(d.mean()), "diff_se": se})
     return out
 
 
@@ -648,8 +691,10 @@ def _fmt(mean, std) -> str:
     return f"{mean:.4f} +- {std:.4f}"
 
 
-def write_tables(rows: list[dict], out_dir: Path) -> list[Path]:
-    """``study.csv``, ``study.json`` and ``study.md`` (mean +- std (n)) in ``out_dir``."""
+def write_tables(rows: list[dict], out_dir: Path, runs: list[dict] | None = None) -> list[Path]:
+    """``study.csv``, ``study.json`` and ``study.md`` (mean +- std (n)) in ``out_dir``; with
+    ``runs`` (:func:`run_rows`) also ``study_per_run.csv`` (one row per run and seed) and
+    ``study_paired.{csv,md}`` (each cell minus FedAvg, paired by seed)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = sorted(rows, key=lambda r: (r["sweep"], str(r["alpha"]), r["arm"],
                                        -1 if r["warmup_rounds"] is None else r["warmup_rounds"]))
@@ -677,6 +722,43 @@ def write_tables(rows: list[dict], out_dir: Path) -> list[Path]:
             f"{_n_suffix(r.get('kernel_deviation_n'))} | "
             f"{(r['bytes_up_mean'] or 0) / 1e6:.1f} | {(r['train_flops_mean'] or 0) / 1e12:.2f} "
             f"| {_fmt(r['seconds_per_round_mean'], r['seconds_per_round_std'])} |")
+    paths[2].write_text("\n".join(lines) + "\n")
+    if runs is not None:
+        paths += _write_run_tables(runs, out_dir)
+    return paths
+
+
+def _sort_key(r: dict) -> tuple:
+    return (r["sweep"], str(r["alpha"]), r["arm"],
+            -1 if r["warmup_rounds"] is None else r["warmup_rounds"], r.get("seed", 0))
+
+
+def _write_csv(rows: list[dict], path: Path) -> None:
+    with open(path, "w", newline="") as fh:
+        if rows:
+            w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+
+
+def _write_run_tables(runs: list[dict], out_dir: Path) -> list[Path]:
+    paired = sorted(paired_differences(runs), key=_sort_key)
+    paths = [out_dir / "study_per_run.csv", out_dir / "study_paired.csv",
+             out_dir / "study_paired.md"]
+    _write_csv(sorted(runs, key=_sort_key), paths[0])
+    _write_csv(paired, paths[1])
+    lines = ["Final accuracy minus FedAvg's of the same seed, in points: mean over seeds +- its "
+             "standard error (ddof = 1), n seeds.", "",
+             "| sweep | alpha | arm | T0 | n | minus fedavg (points) | mean / SE |",
+             "|" + "---|" * 7]
+    for r in paired:
+        se = r["diff_se"]
+        lines.append(
+            f"| {r['sweep']} | {r['alpha'] if r['alpha'] is not None else 'natural'} | "
+            f"{r['arm']} | {'' if r['warmup_rounds'] is None else r['warmup_rounds']} | "
+            f"{r['n']} | {100 * r['diff_mean']:+.2f}"
+            + (f" +- {100 * se:.2f}" if se is not None else "") + " | "
+            + (f"{r['diff_mean'] / se:+.1f}" if se else "-") + " |")
     paths[2].write_text("\n".join(lines) + "\n")
     return paths
 

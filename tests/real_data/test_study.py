@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import yaml
 
@@ -57,9 +58,43 @@ def test_plan_keys_and_slices_resume_and_aggregate(tmp_path):
     assert rows[("frozen", 2)]["kernel_deviation_mean"] > 0
     # the branched T0 = 0 run uploads less than FedAvg (value block only)
     assert rows[("frozen", 0)]["bytes_up_mean"] < rows[("fedavg", None)]["bytes_up_mean"]
-    paths = study.write_tables(list(rows.values()), tmp_path / "tables")
+    runs = study.run_rows(plan)
+    assert sorted((r["arm"], r["warmup_rounds"], r["seed"]) for r in runs if r["arm"] != "frozen") \
+        == [("fedavg", None, 0), ("reference", None, 0)]
+    by_run = {(r["arm"], r["warmup_rounds"]): r for r in runs}
+    assert by_run[("frozen", 2)]["kernel_deviation"] == \
+        pytest.approx(rows[("frozen", 2)]["kernel_deviation_mean"], rel=1e-12)
+    assert study.aggregate(plan, runs) == study.aggregate(plan)
+    paired = {(r["arm"], r["warmup_rounds"]): r for r in study.paired_differences(runs)}
+    assert set(paired) == {("frozen", 2), ("frozen", 0), ("reference", None)}
+    assert paired[("frozen", 0)]["n"] == 1 and paired[("frozen", 0)]["diff_se"] is None
+    assert paired[("frozen", 0)]["diff_mean"] == pytest.approx(
+        by_run[("frozen", 0)]["final_acc"] - by_run[("fedavg", None)]["final_acc"], abs=1e-12)
+    paths = study.write_tables(list(rows.values()), tmp_path / "tables", runs)
+    assert [p.name for p in paths] == ["study.csv", "study.json", "study.md", "study_per_run.csv",
+                                       "study_paired.csv", "study_paired.md"]
     assert json.loads(paths[1].read_text())[0]["n_seeds"] == 1
     assert "| digits | 0.5 | fedavg |" in paths[2].read_text()
+    assert len(paths[3].read_text().splitlines()) == 1 + 4  # header + one row per run
+    assert "| digits | 0.5 | frozen | 0 | 1 |" in paths[5].read_text()
+
+
+def test_paired_differences_mean_and_standard_error():
+    def run(arm, seed, acc, t0=None, sweep="s", alpha=0.1):
+        return {"sweep": sweep, "arm": arm, "warmup_rounds": t0, "alpha": alpha, "seed": seed,
+                "final_acc": acc}
+    runs = [run("fedavg", 0, 0.70), run("fedavg", 1, 0.72), run("fedavg", 2, 0.80),
+            run("x", 0, 0.71, 5), run("x", 1, 0.75, 5), run("x", 2, 0.82, 5),
+            run("y", 0, 0.60), run("y", 3, 0.90),  # seed 3 has no fedavg run: left out
+            run("fedavg", 0, 0.10, alpha=1.0), run("x", 0, float("nan"), 5, alpha=1.0)]
+    out = {(r["arm"], r["alpha"]): r for r in study.paired_differences(runs)}
+    assert set(out) == {("x", 0.1), ("y", 0.1)}  # a nan metric is no difference
+    d = np.array([0.01, 0.03, 0.02])
+    assert out[("x", 0.1)]["diff_mean"] == pytest.approx(0.02, abs=1e-12)
+    assert out[("x", 0.1)]["diff_se"] == pytest.approx(d.std(ddof=1) / np.sqrt(3), rel=1e-12)
+    assert out[("x", 0.1)]["n"] == 3 and out[("x", 0.1)]["warmup_rounds"] == 5
+    assert out[("y", 0.1)]["n"] == 1 and out[("y", 0.1)]["diff_se"] is None
+    assert out[("y", 0.1)]["diff_mean"] == pytest.approx(-0.10, abs=1e-12)
 
 
 def test_interrupted_run_is_resumed(tmp_path):
