@@ -696,14 +696,10 @@ def write_tables(rows: list[dict], out_dir: Path, runs: list[dict] | None = None
     ``runs`` (:func:`run_rows`) also ``study_per_run.csv`` (one row per run and seed) and
     ``study_paired.{csv,md}`` (each cell minus FedAvg, paired by seed)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = sorted(rows, key=lambda r: (r["sweep"], str(r["alpha"]), r["arm"],
-                                       -1 if r["warmup_rounds"] is None else r["warmup_rounds"]))
+    rows = sorted(rows, key=_sort_key)
     paths = [out_dir / "study.csv", out_dir / "study.json", out_dir / "study.md"]
     if rows:
-        with open(paths[0], "w", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+        _write_csv(rows, paths[0])
     paths[1].write_text(json.dumps(rows, indent=1))
     lines = ["| sweep | alpha | arm | T0 | n | final acc | best acc | rounds to best | "
              "personal acc | acc var (last 10 evals) | grad-norm jump | kernel dev (n) | MB up | "
