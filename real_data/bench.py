@@ -61,6 +61,13 @@ ENGINES: dict[str, Callable] = {
     "fast": functools.partial(fast.train_fast, graphs=True),  # what train_vectorized runs
     "fast_eager": functools.partial(fast.train_fast, graphs=False),
     "fast_compile": functools.partial(fast.train_fast, graphs=True, compile=True),
+    # the same with SDPA's flash kernels in place of the one-tile Triton attention
+    "fast_sdpa": functools.partial(fast.train_fast, graphs=True, attention="sdpa"),
+    "fast_compile_sdpa": functools.partial(fast.train_fast, graphs=True, compile=True,
+                                           attention="sdpa"),
+    # Triton GEMMs with fused epilogues where inductor's autotuning finds them faster
+    "fast_autotune": functools.partial(fast.train_fast, graphs=True,
+                                       compile="max-autotune-no-cudagraphs"),
 }
 
 
@@ -305,16 +312,18 @@ def summarize(rows: list[dict], ceilings: dict) -> dict:
     by = {(r["model"], r["precision"], r["stage"], r["clients"], r["engine"]): r for r in rows}
     out: dict[str, list] = {"speedup": [], "frozen_vs_full": [], "ceiling": []}
     for (m, p, s, c, e), r in by.items():
-        if e != "fast":
+        if e not in ("fast", "fast_compile"):
             continue
-        for base in ("sequential", "vmap"):
+        for base in ("sequential", "vmap", "fast_sdpa"):
             if (m, p, s, c, base) in by:
                 b = by[(m, p, s, c, base)]
                 out["speedup"].append({"model": m, "precision": p, "stage": s, "clients": c,
-                                       "over": base, "ratio": b["round_s"] / r["round_s"],
+                                       "engine": e, "over": base,
+                                       "ratio": b["round_s"] / r["round_s"],
                                        "baseline_extrapolated": b["extrapolated"]})
         if s != "full" and (m, p, "full", c, e) in by:
             out["frozen_vs_full"].append({"model": m, "precision": p, "stage": s, "clients": c,
+                                          "engine": e,
                                           "ratio": by[(m, p, "full", c, e)]["round_s"]
                                           / r["round_s"]})
         key = "matmul_bf16_tflops" if p == "bf16" else "matmul_fp32_tflops"
@@ -322,7 +331,7 @@ def summarize(rows: list[dict], ceilings: dict) -> dict:
             w = WORKLOADS[m]
             t_flop = r["flops_per_round"] / (ceilings[key] * 1e12)
             out["ceiling"].append({"model": m, "precision": p, "stage": s, "clients": c,
-                                   "compute_floor_s": t_flop,
+                                   "engine": e, "compute_floor_s": t_flop,
                                    "fraction_of_matmul_peak": t_flop / r["round_s"],
                                    "local_steps": w.local_steps})
     return out
@@ -358,22 +367,29 @@ def _ratio(slow: dict | None, quick: dict) -> str:
 
 
 def render_markdown(data: dict) -> str:
-    """The JSON's results as the markdown table of docs/results.md (one line per cell)."""
+    """The JSON's results as the markdown table of docs/results.md (one line per cell): the
+    fast engine eager and compiled (``fast_compile``, where timed), the vmap and sequential
+    engines and the fast engine with SDPA attention (``fast_sdpa``, where timed)."""
     rows = [r for r in data["results"] if "error" not in r]
     by = {(r["model"], r["precision"], r["stage"], r["clients"], r["engine"]): r for r in rows}
     cells = sorted({k[:4] for k in by}, key=lambda k: (k[0] != "vit", k[1] != "bf16",
                                                       STAGES.index(k[2]), k[3]))
-    out = ["| model | prec | stage | C | fast ms | client-samples/s | TFLOP/s | peak GiB | "
-           "vmap ms | sequential ms | fast / seq | fast / vmap |",
-           "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    out = ["| model | prec | stage | C | fast ms | TFLOP/s | compiled ms | TFLOP/s | "
+           "client-samples/s (best) | peak GiB | SDPA ms | vmap ms | sequential ms | "
+           "best / seq | best / vmap | best / SDPA |",
+           "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for cell in cells:
-        f, v, q = (by.get((*cell, e)) for e in ("fast", "vmap", "sequential"))
+        f, fc, sd, v, q = (by.get((*cell, e)) for e in ("fast", "fast_compile", "fast_sdpa",
+                                                         "vmap", "sequential"))
         if f is None:
             continue
+        best = fc if fc is not None and fc["round_s"] < f["round_s"] else f
+        tf = "-" if fc is None else f"{fc['tflops']:.1f}"
         out.append(f"| {cell[0]} | {cell[1]} | {cell[2]} | {cell[3]} | {_ms(f)} | "
-                   f"{f['client_samples_per_s']:,.0f} | {f['tflops']:.1f} | "
-                   f"{f['peak_mem_gib']:.2f} | {_ms(v)} | {_ms(q)} | {_ratio(q, f)} | "
-                   f"{_ratio(v, f)} |")
+                   f"{f['tflops']:.1f} | {_ms(fc)} | {tf} | "
+                   f"{best['client_samples_per_s']:,.0f} | {best['peak_mem_gib']:.2f} | "
+                   f"{_ms(sd)} | {_ms(v)} | {_ms(q)} | {_ratio(q, best)} | {_ratio(v, best)} | "
+                   f"{_ratio(sd, best)} |")
     return "\n".join(out)
 
 
@@ -429,8 +445,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--profile", metavar="CELL",
                     help="instead of the grid: kernel-time table of one round of "
                          "model:precision:stage:clients:engine (torch.profiler)")
-    ap.add_argument("--render", type=Path, metavar="JSON",
-                    help="instead of the grid: print a result file as a markdown table")
+    ap.add_argument("--render", type=Path, metavar="JSON", nargs="+",
+                    help="instead of the grid: print result files as one markdown table")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path, help="JSON file (the source goes in it too)")
     return ap
@@ -448,7 +464,8 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError(f"linattn bench: unknown {bad}; engines {list(ENGINES)}, models "
                         f"{list(WORKLOADS)}, stages {list(STAGES)}, precisions bf16, fp32")
     if args.render:
-        print(render_markdown(json.loads(args.render.read_text())))
+        files = [json.loads(p.read_text()) for p in args.render]
+        print(render_markdown({"results": [r for f in files for r in f["results"]]}))
         return 0
     device = torch.device(args.device)
     if args.profile:
@@ -479,12 +496,12 @@ def main(argv: list[str] | None = None) -> int:
     for s in summary["speedup"]:
         if s["clients"] in (100, 500) and s["model"] == "vit" and s["stage"] == "full":
             how = ", sequential scaled" if s["baseline_extrapolated"] else ""
-            print(f"fast over {s['over']}: {s['ratio']:.1f}x (vit {s['precision']} full, "
-                  f"{s['clients']} clients{how})")
+            print(f"{s['engine']} over {s['over']}: {s['ratio']:.1f}x (vit {s['precision']} "
+                  f"full, {s['clients']} clients{how})")
     for f in summary["frozen_vs_full"]:
         if f["clients"] == 500:
-            print(f"full / {f['stage']} round time: {f['ratio']:.2f} ({f['model']} "
-                  f"{f['precision']}, 500 clients)")
+            print(f"full / {f['stage']} round time: {f['ratio']:.2f} ({f['engine']}, "
+                  f"{f['model']} {f['precision']}, 500 clients)")
     write(rows, summary)
     if args.out:
         print(f"wrote {args.out}")

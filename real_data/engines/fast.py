@@ -77,7 +77,8 @@ class _Setup:
     data: tuple
     model: int
     graphs: bool
-    compile: bool
+    compile: bool | str  # False, True (default mode) or a torch.compile mode
+    attention: str
 
 
 def _regularizer_kind(job: LocalJob) -> object:
@@ -126,7 +127,13 @@ class _Runner:
         self.count = torch.zeros(cc, dtype=torch.int64, device=dev)
         self.acc = {k: torch.zeros(cc, dtype=torch.float64, device=dev)
                     for k in ("loss", "obj", "first", "gfirst", "glast")}
-        self.loss_fn = torch.compile(self._loss, dynamic=False) if setup.compile else self._loss
+        mode = setup.compile if isinstance(setup.compile, str) else None
+        self.loss_fn = (torch.compile(self._loss, dynamic=False, mode=mode) if setup.compile
+                        else self._loss)
+        # the step after the gradients (norm, clipping, optimizer, accounting): one or two
+        # fused kernels over the (Cc, P) buffers when compiled, about twenty eagerly
+        self.apply_fn = (torch.compile(self._apply, dynamic=False) if setup.compile
+                         else self._apply)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.eager = False
 
@@ -177,7 +184,7 @@ class _Runner:
         bound method). Without this its graph would be freed by the cyclic garbage
         collector at any later moment, possibly while another graph is being captured, which
         invalidates that capture ("operation not permitted when stream is capturing")."""
-        self.graph, self.job, self.loss_fn = None, None, None
+        self.graph, self.job, self.loss_fn, self.apply_fn = None, None, None, None
 
     def _capture(self) -> None:
         """Warm up on a side stream (allocator, cuBLAS, compilation), then capture one step."""
@@ -198,11 +205,11 @@ class _Runner:
                else contextlib.nullcontext())
         with ctx:
             logits = stacked_forward(self.model, {**self.shared, **self.own, **leaves},
-                                     self.stacked, xb)
+                                     self.stacked, xb, self.setup.attention)
         return _client_loss(logits, yb)
 
     def step(self) -> None:
-        setup, spec, cc = self.setup, self.setup.spec, self.cc
+        setup = self.setup
         # 1. this step's minibatches (C, B, ...) and activity, from the device-side counter
         idx = self.idx.index_select(1, self.s.reshape(1)).squeeze(1)  # (Cc, B)
         on = self.active.index_select(1, self.s.reshape(1)).squeeze(1)  # (Cc,)
@@ -217,6 +224,12 @@ class _Runner:
         else:
             obj = data + setup.regularizer
         grads = torch.autograd.grad(obj.sum(), list(self.leaves.values()))
+        self.apply_fn(list(grads), data.detach(), obj.detach(), on, first)
+
+    def _apply(self, grads: list[torch.Tensor], data: torch.Tensor, obj: torch.Tensor,
+               on: torch.Tensor, first: torch.Tensor) -> None:
+        """Norm, clipping, weight decay and the update on the flat buffers; loss accounting."""
+        spec, cc = self.setup.spec, self.cc
         g = torch.cat([t.reshape(cc, -1) for t in grads], dim=1)  # (Cc, P)
         # 3. norm before clipping, clipping, weight decay, optimizer update (flat buffers)
         norms = torch.linalg.vector_norm(g, dim=1).double()
@@ -228,7 +241,7 @@ class _Runner:
         self.count.add_(on.long())
         self._update(g, on.unsqueeze(1))
         # 4. loss accounting (clients that finished early add nothing)
-        data, obj = data.detach().double(), obj.detach().double()
+        data, obj = data.double(), obj.double()
         acc = self.acc
         acc["loss"].add_(torch.where(on, data, 0.0))
         acc["obj"].add_(torch.where(on, obj, 0.0))
@@ -271,7 +284,8 @@ class _Runner:
         assign(p, p - step_size * self.m / (self.v.sqrt() / bc2_sqrt + spec.eps))
 
 
-def _setup(job: LocalJob, graphs: bool, compile: bool) -> _Setup:
+def _setup(job: LocalJob, graphs: bool, compile: bool | str,
+           attention: str = "auto") -> _Setup:
     fixed = [n for n in job.global_params if n not in job.trainable]
     reg = _regularizer_kind(job)
     dev = job.x.device
@@ -289,6 +303,7 @@ def _setup(job: LocalJob, graphs: bool, compile: bool) -> _Setup:
         model=id(job.model),
         graphs=graphs and dev.type == "cuda" and reg != "tensor",
         compile=compile,
+        attention=attention,
     )
 
 
@@ -331,7 +346,8 @@ def _runner(job: LocalJob, setup: _Setup, cc: int) -> _Runner:
     return runner
 
 
-def train_fast(job: LocalJob, graphs: bool = True, compile: bool = False) -> ClientResults:
+def train_fast(job: LocalJob, graphs: bool = True, compile: bool | str = False,
+               attention: str = "auto") -> ClientResults:
     """Train the round's clients with the fast path (see the module docstring).
 
     Parameters
@@ -340,11 +356,16 @@ def train_fast(job: LocalJob, graphs: bool = True, compile: bool = False) -> Cli
         A job for which :func:`supports` is true.
     graphs : bool
         Capture and replay one local step as a CUDA graph (CUDA only).
-    compile : bool
-        ``torch.compile`` the stacked forward and loss (compiles once per chunk shape, which
-        takes tens of seconds; not measured yet, see docs/bench/NOTES.md).
+    compile : bool or str
+        ``torch.compile`` the stacked forward and loss, and the update after the gradients
+        (compiles once per chunk shape, which takes tens of seconds; see docs/bench/NOTES.md).
+        A string is the forward's ``torch.compile`` mode, e.g.
+        ``"max-autotune-no-cudagraphs"`` (the step is captured as a CUDA graph anyway).
+    attention : {"auto", "sdpa", "triton"}
+        Softmax attention kernel (:func:`~real_data.engines.stacked.stacked_forward`): the
+        one-tile Triton kernel where it applies, or always SDPA.
     """
-    setup = _setup(job, graphs, compile)
+    setup = _setup(job, graphs, compile, attention)
     n_clients = len(job.client_ids)
     dev = job.x.device
     cc = _max_chunk(job, setup, n_clients)

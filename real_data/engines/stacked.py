@@ -8,9 +8,11 @@ value per client) or *shared* ``(*shape)`` (one value for all, e.g. frozen Q/K).
 - a stacked linear is one ``baddbmm`` over clients, ``(C, T, in) @ (C, in, out)`` with T = B N
   tokens per client; q, k and v stacked together become one GEMM of width 3d;
 - a shared linear is one plain GEMM over all C T tokens (frozen Q/K cost one large GEMM);
-- softmax attention is ``scaled_dot_product_attention`` on ``(C B, h, N, d_h)``: it holds no
-  weights, so clients and samples fold into one batch and the fused (flash / memory-efficient)
-  kernels apply; linear attention is written out as in the model.
+- softmax attention holds no weights, so clients and samples fold into one batch of
+  ``(C B, h, N, d_h)``: on CUDA in fp16/bf16 with N <= 128 it is the one-tile Triton kernel of
+  :mod:`real_data.engines.tiny_attention` (``attention="auto"``), otherwise (or with
+  ``attention="sdpa"``) ``scaled_dot_product_attention`` (flash / memory-efficient kernels);
+  linear attention is written out as in the model.
 
 The agreement tests (float64, CPU) hold this to the reference engine, which runs the models'
 own code, at 1e-6 relative; under bf16 autocast the two round differently (SDPA runs the
@@ -23,11 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from real_data.engines import tiny_attention
 from real_data.models.char_transformer import CharTransformer
 from real_data.models.layers import _linear_feature_map
 from real_data.models.vit import ViT
 
 Params = dict[str, torch.Tensor]
+ATTENTION = ("auto", "sdpa", "triton")  # softmax attention kernel; see the module docstring
 
 
 def supports(model: nn.Module) -> bool:
@@ -37,11 +41,24 @@ def supports(model: nn.Module) -> bool:
     return float(getattr(model.cfg, "dropout", 0.0)) == 0.0 or not model.training
 
 
+def _bias_bmm(b: torch.Tensor, x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+    """``b + x @ wt`` per client. Eagerly one ``baddbmm``; under ``torch.compile`` a ``bmm``
+    and an add, so the bias joins the next element-wise kernel instead of being broadcast into
+    the output by a copy before the GEMM (``baddbmm``'s way, a full pass over the output)."""
+    if torch.compiler.is_compiling():
+        y = torch.bmm(x, wt)  # under autocast in the autocast type, as baddbmm's output
+        return y + b.to(y.dtype)
+    return torch.baddbmm(b, x, wt)
+
+
 class _Net:
     """Parameter access for one call: ``p(name)`` and whether it has a client axis."""
 
-    def __init__(self, params: Params, stacked: frozenset[str], clients: int) -> None:
-        self.params, self.stacked, self.c = params, stacked, clients
+    def __init__(self, params: Params, stacked: frozenset[str], clients: int,
+                 attention: str = "auto") -> None:
+        if attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
+        self.params, self.stacked, self.c, self.kernel = params, stacked, clients, attention
 
     def p(self, name: str) -> torch.Tensor:
         return self.params[name]
@@ -59,7 +76,7 @@ class _Net:
         wt = w.transpose(1, 2)  # (C, in, out)
         if b is None:
             return torch.bmm(x, wt)
-        return torch.baddbmm(b.unsqueeze(1) if b.dim() == 2 else b, x, wt)
+        return _bias_bmm(b.unsqueeze(1) if b.dim() == 2 else b, x, wt)
 
     def linears(self, x: torch.Tensor, prefixes: list[str]) -> list[torch.Tensor]:
         """Several linears of one input, those with stacked (or with shared) weights fused."""
@@ -72,7 +89,7 @@ class _Net:
             dim = 1 if own else 0
             w = torch.cat([self.p(f"{q}.weight") for q in grp], dim=dim)
             b = torch.cat([self.p(f"{q}.bias") for q in grp], dim=dim)
-            y = torch.baddbmm(b.unsqueeze(1), x, w.transpose(1, 2)) if own else F.linear(x, w, b)
+            y = _bias_bmm(b.unsqueeze(1), x, w.transpose(1, 2)) if own else F.linear(x, w, b)
             out.update(zip(grp, y.split([self.p(f"{q}.bias").shape[-1] for q in grp], -1)))
         return [out[q] if q in out else self.linear(x, q) for q in prefixes]
 
@@ -86,9 +103,27 @@ class _Net:
         b = b.unsqueeze(1) if self.own(f"{prefix}.bias") else b
         return torch.addcmul(b, y, w)
 
+    def packed(self, x: torch.Tensor, prefix: str, mod, n: int) -> bool:
+        """Whether q, k, v go to the packed Triton kernel: softmax, every q/k/v weight and bias
+        the client's own (one stacked GEMM), and the kernel allowed and usable."""
+        names = [f"{prefix}.{q}.{w}" for q in "qkv" for w in ("weight", "bias")]
+        if mod.kind != "softmax" or self.kernel == "sdpa" or \
+                not all(nm in self.params and self.own(nm) for nm in names):
+            return False
+        if self.kernel == "triton":
+            return True
+        dt = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+        return tiny_attention.packed_usable(x, dt, n, x.shape[-1] // mod.heads)
+
     def attention(self, x: torch.Tensor, prefix: str, mod, batch: int, n: int) -> torch.Tensor:
         c, _, d = x.shape
         h = mod.heads
+        if self.packed(x, prefix, mod, n):  # one GEMM, the bias added inside the kernel
+            w = torch.cat([self.p(f"{prefix}.{q}.weight") for q in "qkv"], dim=1)
+            b = torch.cat([self.p(f"{prefix}.{q}.bias") for q in "qkv"], dim=1)
+            qkv = torch.bmm(x, w.transpose(1, 2))
+            y = tiny_attention.qkv_attention(qkv, b.to(qkv.dtype), h, n, mod.causal)
+            return self.linear(y, f"{prefix}.out")
         q, k, v = self.linears(x, [f"{prefix}.q", f"{prefix}.k", f"{prefix}.v"])
 
         def heads(t: torch.Tensor) -> torch.Tensor:  # (C, B N, D) -> (C B, h, N, D/h)
@@ -96,7 +131,11 @@ class _Net:
 
         q, k, v = heads(q), heads(k), heads(v)
         if mod.kind == "softmax":
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=mod.causal)
+            if self.kernel == "triton" or (self.kernel == "auto"
+                                           and tiny_attention.usable(q, k, v, mod.causal)):
+                y = tiny_attention.attention(q, k, v, mod.causal)
+            else:
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=mod.causal)
         else:
             fq, fk = _linear_feature_map(q), _linear_feature_map(k)
             if mod.causal:
@@ -125,7 +164,7 @@ class _Net:
 
 
 def stacked_forward(model: nn.Module, params: Params, stacked: frozenset[str],
-                    x: torch.Tensor) -> torch.Tensor:
+                    x: torch.Tensor, attention: str = "auto") -> torch.Tensor:
     """Logits of every client on its own minibatch.
 
     Parameters
@@ -136,6 +175,9 @@ def stacked_forward(model: nn.Module, params: Params, stacked: frozenset[str],
         Every parameter: ``(C, *shape)`` if its name is in ``stacked``, else ``(*shape)``.
     x : torch.Tensor
         ``(C, B, channels, H, W)`` images or ``(C, B, L)`` character ids.
+    attention : {"auto", "sdpa", "triton"}
+        Softmax attention kernel: the Triton one-tile kernel where it applies ("auto"),
+        always SDPA, or always Triton (which then must be usable).
 
     Returns
     -------
@@ -143,7 +185,7 @@ def stacked_forward(model: nn.Module, params: Params, stacked: frozenset[str],
         ``(C, B, num_classes)`` (ViT) or ``(C, B, L, vocab)`` (CharTransformer).
     """
     c, b = x.shape[:2]
-    net = _Net(params, stacked, c)
+    net = _Net(params, stacked, c, attention)
     if isinstance(model, ViT):
         cfg = model.cfg
         _, _, ch, hh, ww = x.shape

@@ -212,6 +212,15 @@ def test_compiled_forward_matches_sequential():
     _assert_close(fast.train_fast(job, compile=True), train_sequential(job))
 
 
+@pytest.mark.slow
+def test_compiled_step_adam_ragged_matches_sequential():
+    """``compile=True`` also compiles the update (norm, clipping, Adam, accounting); clients
+    with different numbers of steps (ragged) keep their parameters once done."""
+    model = _model("char")
+    job = _job(model, spec=ADAM, epochs=1.0, sizes=[6, 11, 23, 9], batch=4)
+    _assert_close(fast.train_fast(job, compile=True), train_sequential(job))
+
+
 def test_evicted_and_cleared_runners_release_their_graphs_at_once(monkeypatch):
     """A runner sits in a reference cycle; its CUDA graph must be freed when it leaves the
     cache, not by a later garbage collection that may fall inside another graph's capture."""

@@ -1,0 +1,350 @@
+"""Softmax attention for short sequences: one Triton program per (sample, head).
+
+The federated models here attend over few tokens (the ViT: 50, the character Transformer: 80)
+with narrow heads (32 and 16). The library's flash kernels tile the sequence in blocks of 128
+and are built for long sequences; at N = 50 most of each tile is padding, and the profile of a
+500-client ViT round put the cuDNN flash forward and backward at about 15% of the GPU time
+(``docs/bench/engines_profile.txt``). Here the whole sequence fits one tile, so a program loads
+q, k and v of one (sample, head) once, forms the N x N scores in registers, and writes the
+output and the row log-sum-exp; the backward recomputes the scores from them (as flash does)
+and writes dq, dk and dv. No online softmax is needed, and nothing of size N^2 reaches memory.
+
+It computes what ``F.scaled_dot_product_attention(q, k, v, is_causal=causal)`` computes, with
+the default scale ``1 / sqrt(D)``: scores and softmax in fp32, the probabilities cast to the
+input type for the product with v (as the flash kernels do). It is a ``torch.library`` custom
+op with its own backward, so it runs under autograd, CUDA graphs and ``torch.compile``.
+
+Used by :mod:`real_data.engines.stacked` on CUDA for fp16/bf16 inputs with N <= 128 and
+D <= 128 when Triton is importable (:func:`usable`); everything else runs SDPA. On a CPU the
+kernels run only under Triton's interpreter (``TRITON_INTERPRET=1``), which the tests use.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:  # Triton ships with the CUDA builds of torch; the CPU wheel has none
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the installation
+    triton = None
+
+MAX_N = 128
+MAX_D = 128
+
+
+def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> bool:
+    """True when :func:`attention` applies: CUDA, fp16/bf16, N <= 128, D <= 128, Triton."""
+    return (triton is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+            and q.dim() == 4 and q.shape == k.shape == v.shape
+            and q.dtype == k.dtype == v.dtype
+            and q.shape[2] <= MAX_N and q.shape[3] <= MAX_D)
+
+
+def packed_usable(x: torch.Tensor, dtype: torch.dtype, n: int, d: int) -> bool:
+    """True when :func:`qkv_attention` applies to a projection of ``x`` computed in ``dtype``
+    (samples of ``n`` tokens, heads of width ``d``)."""
+    return (triton is not None and x.is_cuda and dtype in (torch.float16, torch.bfloat16)
+            and n <= MAX_N and d <= MAX_D)
+
+
+# warps per program by tile size (BN); real_data/scripts/bench_attention.py measures others
+WARPS = {16: 4, 32: 4, 64: 4, 128: 4}
+
+
+def _blocks(n: int, d: int) -> tuple[int, int, int]:
+    bn = max(16, triton.next_power_of_2(n))
+    bd = max(16, triton.next_power_of_2(d))
+    return bn, bd, WARPS[bn]
+
+
+if triton is not None:
+    @triton.jit
+    def _load_qkv(Q, K, V, BQ, BK, BV, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sbc,
+                  b, h, n, d, m2, md, BPC, D, HAS_BIAS: tl.constexpr):
+        """q, k, v of sample b, head h (the last axis has stride 1); with HAS_BIAS, plus the
+        bias of b's client (b // BPC), rounded to the input type as a GEMM's output is."""
+        q = tl.load(Q + b * sqb + h * sqh + n[:, None] * sqn + d[None, :], mask=m2, other=0.0)
+        k = tl.load(K + b * skb + h * skh + n[:, None] * skn + d[None, :], mask=m2, other=0.0)
+        v = tl.load(V + b * svb + h * svh + n[:, None] * svn + d[None, :], mask=m2, other=0.0)
+        if HAS_BIAS:
+            ob = (b // BPC) * sbc + h * D + d
+            q = (q.to(tl.float32) + tl.load(BQ + ob, mask=md, other=0.0)[None, :]).to(q.dtype)
+            k = (k.to(tl.float32) + tl.load(BK + ob, mask=md, other=0.0)[None, :]).to(k.dtype)
+            v = (v.to(tl.float32) + tl.load(BV + ob, mask=md, other=0.0)[None, :]).to(v.dtype)
+            q = tl.where(m2, q, 0.0)
+            k = tl.where(m2, k, 0.0)
+            v = tl.where(m2, v, 0.0)
+        return q, k, v
+
+    @triton.jit
+    def _fwd_kernel(Q, K, V, BQ, BK, BV, O, L,
+                    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sbc, sob, soh, son,
+                    H, N, D, BPC, scale,
+                    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr,
+                    BD: tl.constexpr, PREC: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)
+        b = pid // H
+        h = pid % H
+        n = tl.arange(0, BN)
+        d = tl.arange(0, BD)
+        mn = n < N
+        md = d < D
+        m2 = mn[:, None] & md[None, :]
+        q, k, v = _load_qkv(Q, K, V, BQ, BK, BV, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn,
+                            sbc, b, h, n, d, m2, md, BPC, D, HAS_BIAS)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+        valid = mn[None, :] & (n[:, None] >= 0)
+        if CAUSAL:
+            valid = valid & (n[None, :] <= n[:, None])
+        s = tl.where(valid, s, float("-inf"))
+        mx = tl.max(s, 1)
+        p = tl.exp(s - mx[:, None])
+        den = tl.sum(p, 1)
+        p = p / den[:, None]
+        o = tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        tl.store(O + b * sob + h * soh + n[:, None] * son + d[None, :],
+                 o.to(O.dtype.element_ty), mask=m2)
+        tl.store(L + pid * N + n, mx + tl.log(den), mask=mn)
+
+    @triton.jit
+    def _bwd_kernel(Q, K, V, BQ, BK, BV, O, DO, L, DQ, DK, DV, DB,
+                    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sbc, sob, soh, son,
+                    sgb, sgh, sgn, srb, srh, srn, sdb,
+                    H, N, D, BPC, scale,
+                    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr,
+                    BD: tl.constexpr, PREC: tl.constexpr):
+        # DO has strides sg*; DQ, DK and DV share the strides sr*; with HAS_BIAS, DB gets the
+        # sample's bias gradient (dq, dk, dv summed over its tokens), one row of 3 H D per sample
+        pid = tl.program_id(0).to(tl.int64)
+        b = pid // H
+        h = pid % H
+        n = tl.arange(0, BN)
+        d = tl.arange(0, BD)
+        mn = n < N
+        md = d < D
+        m2 = mn[:, None] & md[None, :]
+        q, k, v = _load_qkv(Q, K, V, BQ, BK, BV, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn,
+                            sbc, b, h, n, d, m2, md, BPC, D, HAS_BIAS)
+        o = tl.load(O + b * sob + h * soh + n[:, None] * son + d[None, :], mask=m2, other=0.0)
+        do = tl.load(DO + b * sgb + h * sgh + n[:, None] * sgn + d[None, :], mask=m2,
+                     other=0.0)
+        lse = tl.load(L + pid * N + n, mask=mn, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+        valid = mn[None, :] & (n[:, None] >= 0)
+        if CAUSAL:
+            valid = valid & (n[None, :] <= n[:, None])
+        p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
+        dv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, input_precision=PREC) * scale
+        dk = tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC) * scale
+        offr = b * srb + h * srh + n[:, None] * srn + d[None, :]
+        tl.store(DQ + offr, dq.to(DQ.dtype.element_ty), mask=m2)
+        tl.store(DK + offr, dk.to(DK.dtype.element_ty), mask=m2)
+        tl.store(DV + offr, dv.to(DV.dtype.element_ty), mask=m2)
+        if HAS_BIAS:  # the stored (rounded) values, as a bias gradient of the GEMM output
+            ob = b * sdb + h * D + d
+            tl.store(DB + ob, tl.sum(dq.to(DQ.dtype.element_ty).to(tl.float32), 0), mask=md)
+            tl.store(DB + ob + H * D,
+                     tl.sum(dk.to(DK.dtype.element_ty).to(tl.float32), 0), mask=md)
+            tl.store(DB + ob + 2 * H * D,
+                     tl.sum(dv.to(DV.dtype.element_ty).to(tl.float32), 0), mask=md)
+
+
+def _out_like(q: torch.Tensor) -> torch.Tensor:
+    """A (B, H, N, D) tensor laid out as (B, N, H, D): the models' next reshape is a view."""
+    b, h, n, d = q.shape
+    return q.new_empty(b, n, h, d).transpose(1, 2)
+
+
+def _prec(q: torch.Tensor) -> str:
+    return "ieee" if q.dtype in (torch.float32, torch.float64) else "tf32"
+
+
+def _s3(t: torch.Tensor) -> tuple[int, int, int]:
+    """Strides of a (B, H, N, D) tensor over B, H, N (its last axis must have stride 1)."""
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _launch_fwd(q, k, v, bq, bk, bv, sbc, bpc, o, causal):
+    b, h, n, d = q.shape
+    lse = torch.empty(b, h, n, dtype=torch.float32, device=q.device)
+    bn, bd, warps = _blocks(n, d)
+    _fwd_kernel[(b * h,)](q, k, v, bq, bk, bv, o, lse, *_s3(q), *_s3(k), *_s3(v), sbc, *_s3(o),
+                          h, n, d, bpc, 1.0 / math.sqrt(d), CAUSAL=causal,
+                          HAS_BIAS=bq is not None, BN=bn, BD=bd, PREC=_prec(q),
+                          num_warps=warps)
+    return lse
+
+
+def _launch_bwd(q, k, v, bq, bk, bv, sbc, bpc, o, do, lse, dq, dk, dv, db, causal):
+    b, h, n, d = q.shape
+    bn, bd, warps = _blocks(n, d)
+    _bwd_kernel[(b * h,)](q, k, v, bq, bk, bv, o, do, lse, dq, dk, dv, db,
+                          *_s3(q), *_s3(k), *_s3(v), sbc, *_s3(o), *_s3(do), *_s3(dq),
+                          0 if db is None else db.stride(0), h, n, d, bpc,
+                          1.0 / math.sqrt(d), CAUSAL=causal, HAS_BIAS=bq is not None,
+                          BN=bn, BD=bd, PREC=_prec(q), num_warps=warps)
+
+
+# -- separate q, k, v ------------------------------------------------------------------------
+@torch.library.custom_op("linattn::tiny_attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    o = _out_like(q)
+    lse = _launch_fwd(q, k, v, None, None, None, 0, 1, o, causal)
+    return o, lse
+
+
+@_attention_op.register_fake
+def _(q, k, v, causal):
+    b, h, n, _ = q.shape
+    return _out_like(q), q.new_empty(b, h, n, dtype=torch.float32)
+
+
+@torch.library.custom_op("linattn::tiny_attention_backward", mutates_args=())
+def _backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                 do: torch.Tensor, lse: torch.Tensor,
+                 causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, k, v, o, do = (_unit_last(t) for t in (q, k, v, o, do))
+    dq, dk, dv = _out_like(q), _out_like(q), _out_like(q)
+    _launch_bwd(q, k, v, None, None, None, 0, 1, o, do, lse, dq, dk, dv, None, causal)
+    return dq, dk, dv
+
+
+@_backward_op.register_fake
+def _(q, k, v, o, do, lse, causal):
+    return _out_like(q), _out_like(q), _out_like(q)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, causal = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.causal = causal
+
+
+def _backward(ctx, do, _dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = _backward_op(q, k, v, o, do, lse, ctx.causal)
+    return dq, dk, dv, None
+
+
+_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# -- packed: one (C, T, 3 H D) GEMM output and its per-client bias ----------------------------
+def _split(qkv: torch.Tensor, heads: int, n: int) -> list[torch.Tensor]:
+    """q, k, v of a (C, T, 3 H D) tensor as (C T / n, H, n, D) views."""
+    c, t, three_hd = qkv.shape
+    d = three_hd // (3 * heads)
+    x = qkv.view(c * t // n, n, 3, heads, d)
+    return [x[:, :, i].transpose(1, 2) for i in range(3)]
+
+
+@torch.library.custom_op("linattn::tiny_qkv_attention", mutates_args=())
+def _qkv_op(qkv: torch.Tensor, bias: torch.Tensor, heads: int, n: int,
+            causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    qkv, bias = qkv.contiguous(), bias.contiguous()
+    c, t, three_hd = qkv.shape
+    hd = three_hd // 3
+    q, k, v = _split(qkv, heads, n)
+    out = qkv.new_empty(c, t, hd)
+    o = out.view(c * t // n, n, heads, hd // heads).transpose(1, 2)
+    lse = _launch_fwd(q, k, v, bias, bias[:, hd:], bias[:, 2 * hd:], bias.stride(0), t // n, o,
+                      causal)
+    return out, lse
+
+
+@_qkv_op.register_fake
+def _(qkv, bias, heads, n, causal):
+    c, t, three_hd = qkv.shape
+    return qkv.new_empty(c, t, three_hd // 3), qkv.new_empty(c * t // n, heads, n,
+                                                             dtype=torch.float32)
+
+
+@torch.library.custom_op("linattn::tiny_qkv_attention_backward", mutates_args=())
+def _qkv_backward_op(qkv: torch.Tensor, bias: torch.Tensor, out: torch.Tensor,
+                     dout: torch.Tensor, lse: torch.Tensor, heads: int, n: int,
+                     causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    qkv, bias, out, dout = (t.contiguous() for t in (qkv, bias, out, dout))
+    c, t, three_hd = qkv.shape
+    hd = three_hd // 3
+    q, k, v = _split(qkv, heads, n)
+    view = lambda x: x.view(c * t // n, n, heads, hd // heads).transpose(1, 2)  # noqa: E731
+    dqkv = torch.empty_like(qkv)
+    dq, dk, dv = _split(dqkv, heads, n)
+    part = torch.empty(c * t // n, three_hd, dtype=torch.float32, device=qkv.device)
+    _launch_bwd(q, k, v, bias, bias[:, hd:], bias[:, 2 * hd:], bias.stride(0), t // n,
+                view(out), view(dout), lse, dq, dk, dv, part, causal)
+    dbias = part.view(c, t // n, three_hd).sum(1).to(bias.dtype)
+    return dqkv, dbias
+
+
+@_qkv_backward_op.register_fake
+def _(qkv, bias, out, dout, lse, heads, n, causal):
+    return torch.empty_like(qkv), torch.empty_like(bias)
+
+
+def _qkv_setup_context(ctx, inputs, output) -> None:
+    qkv, bias, heads, n, causal = inputs
+    out, lse = output
+    ctx.save_for_backward(qkv, bias, out, lse)
+    ctx.heads, ctx.n, ctx.causal = heads, n, causal
+
+
+def _qkv_backward(ctx, dout, _dlse):
+    qkv, bias, out, lse = ctx.saved_tensors
+    dqkv, dbias = _qkv_backward_op(qkv, bias, out, dout, lse, ctx.heads, ctx.n, ctx.causal)
+    return dqkv, dbias, None, None, None
+
+
+_qkv_op.register_autograd(_qkv_backward, setup_context=_qkv_setup_context)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              causal: bool = False) -> torch.Tensor:
+    """``softmax(q k^T / sqrt(D)) v`` of ``(B, H, N, D)`` tensors (causal: keys <= query).
+
+    Returns a ``(B, H, N, D)`` tensor laid out as ``(B, N, H, D)``. Requires Triton, and (outside
+    its interpreter) CUDA tensors; see :func:`usable`.
+    """
+    _check(q.shape[2], q.shape[3])
+    return _attention_op(q, k, v, causal)[0]
+
+
+def qkv_attention(qkv: torch.Tensor, bias: torch.Tensor, heads: int, n: int,
+                  causal: bool = False) -> torch.Tensor:
+    """Attention of a fused projection: ``qkv`` is ``(C, T, 3 H D)`` without its bias (T = B n
+    tokens of B samples of n tokens per client; q, k, v side by side along the last axis, as
+    the stacked q/k/v GEMM writes them), ``bias`` is ``(C, 3 H D)``. Returns ``(C, T, H D)``,
+    each sample's heads side by side (the input layout of the output projection).
+
+    The bias is added inside the kernel and its gradient (the sum of d(qkv) over each
+    client's tokens) comes out of the backward kernel, so no pass over the ``(C, T, 3 H D)``
+    activation is spent on it.
+    """
+    c, t, three_hd = qkv.shape
+    if three_hd % (3 * heads) or t % n or bias.shape != (c, three_hd):
+        raise ValueError(f"qkv_attention: qkv {tuple(qkv.shape)} and bias {tuple(bias.shape)} "
+                         f"do not fit {heads} heads over samples of {n} tokens")
+    _check(n, three_hd // (3 * heads))
+    return _qkv_op(qkv, bias, heads, n, causal)[0]
+
+
+def _check(n: int, d: int) -> None:
+    if triton is None:
+        raise RuntimeError("tiny_attention needs Triton (it ships with torch's CUDA builds)")
+    if n > MAX_N or d > MAX_D:
+        raise ValueError(f"tiny_attention takes N <= {MAX_N} and D <= {MAX_D}, got "
+                         f"N = {n}, D = {d}")
