@@ -81,6 +81,17 @@ class _Setup:
     attention: str
 
 
+def _allow_recompiles(limit: int = 256) -> None:
+    """Let dynamo keep a compiled version per runner: its recompile limit (8 by default)
+    counts the versions of one function, and every runner compiles ``_Runner._loss`` and
+    ``_Runner._apply`` for its own chunk size, trainable set and model; past the limit dynamo
+    would silently run them eagerly."""
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):  # the name changed in torch 2.6
+        if hasattr(cfg, name) and getattr(cfg, name) < limit:
+            setattr(cfg, name, limit)
+
+
 def _regularizer_kind(job: LocalJob) -> object:
     """The regularizer of client 0: a number (constant for all) or ``"tensor"``."""
     anchor = {n: job.global_params[n] for n in job.trainable}
@@ -128,6 +139,8 @@ class _Runner:
         self.acc = {k: torch.zeros(cc, dtype=torch.float64, device=dev)
                     for k in ("loss", "obj", "first", "gfirst", "glast")}
         mode = setup.compile if isinstance(setup.compile, str) else None
+        if setup.compile:  # every runner compiles the same two methods for its own shapes
+            _allow_recompiles()
         self.loss_fn = (torch.compile(self._loss, dynamic=False, mode=mode) if setup.compile
                         else self._loss)
         # the step after the gradients (norm, clipping, optimizer, accounting): one or two
