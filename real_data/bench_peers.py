@@ -1,5 +1,6 @@
 """Peer benchmark (issue 7): one FedAvg workload on linattn and on two peer simulators, side by
-side in one command on this machine's CPU (Flower's clients run in Ray worker processes).
+side in one command, on the CPU (Flower's clients run in Ray worker processes) or, with
+``--device cuda``, on a GPU (linattn's engines and pfl; Flower is CPU-only here).
 
 Engines (``--engines``; they run in the order given there):
 
@@ -45,6 +46,9 @@ extra; CI does not need it)::
     pip install --no-deps pfl==0.4.0 multiprocess==0.70.19 dill==0.4.1 dp-accounting==0.5.1 \\
         prv-accountant==0.2.0 absl-py==1.4.0 dm-tree==0.1.10 wrapt
 
+pfl 0.6.0 (Python 3.10-3.12) pins ``numpy<3`` and runs the same code; it is the version for
+Python 3.12 machines (pfl 0.4.0 needs Python < 3.12): the same command with ``pfl==0.6.0``.
+
 An engine that cannot run (pfl or flwr missing, an error) is reported as not run, with the
 reason, and the others go on.
 
@@ -83,18 +87,24 @@ PFL_INSTALL = ("pip install --no-deps pfl==0.4.0 multiprocess==0.70.19 dill==0.4
 # -- the workload ----------------------------------------------------------------------------
 def bench_config(config: str = "fmnist_vit", clients_per_round: int = 10, local_steps: int = 10,
                  batch_size: int = 32, rounds: int = 6,
-                 overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """The FedAvg workload: ``config`` with FedAvg, fp32 on the CPU, the given round shape.
+                 overrides: list[str] | tuple[str, ...] = (), device: str = "cpu") -> Config:
+    """The FedAvg workload: ``config`` with FedAvg, fp32 on ``device``, the given round shape.
 
     ``train.rounds`` and ``eval.every`` are set one past ``rounds``, so no round the benchmark
     runs evaluates (the final model is evaluated once, outside the timing).
     """
     base = [f"train.clients_per_round={clients_per_round}", f"train.local_steps={local_steps}",
             "train.local_epochs=null", f"train.batch_size={batch_size}",
-            "train.precision=fp32", "train.device=cpu", f"train.rounds={rounds + 1}",
+            "train.precision=fp32", f"train.device={device}", f"train.rounds={rounds + 1}",
             f"eval.every={rounds + 1}", "eval.clients=false", "run.progress=false",
             "run.plot=false"]
     return load_config(config, ["algorithm.name=fedavg", *base, *overrides])
+
+
+def _sync(cfg: Config) -> None:
+    """Wait for the device (round times on a GPU count the work, not its launch)."""
+    if str(cfg.train.device).startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def load_workload(cfg: Config):
@@ -127,6 +137,7 @@ def run_native(cfg: Config, dataset, partition, engine: str, rounds: int) -> dic
     for rnd in range(1, rounds + 1):
         t0 = time.perf_counter()
         state, _ = fed.run_round(state, rnd)
+        _sync(cfg)
         times.append(time.perf_counter() - t0)
     return {"times_s": times, "params": state.global_params}
 
@@ -201,7 +212,7 @@ def run_flower(cfg: Config, dataset, partition, rounds: int, actors: int = 2,
 # -- pfl-research ------------------------------------------------------------------------------
 def run_pfl(cfg: Config, dataset, partition, rounds: int) -> dict:
     """``rounds`` rounds of pfl's FedAvg simulation on the same workload (module docstring)."""
-    os.environ.setdefault("PFL_PYTORCH_DEVICE", "cpu")  # this benchmark is a CPU one
+    os.environ["PFL_PYTORCH_DEVICE"] = str(cfg.train.device)  # pfl's device: the workload's
     import pfl
     from pfl.aggregate.simulate import SimulatedBackend
     from pfl.aggregate.weighting import WeightByDatapoints
@@ -221,7 +232,8 @@ def run_pfl(cfg: Config, dataset, partition, rounds: int) -> dict:
     if t.optimizer != "sgd":
         raise ValueError("the pfl side is written for train.optimizer=sgd")
     training_seed = cfg.role_seed("training")
-    x, y = dataset.x_train.float(), dataset.y_train
+    dev = torch.device(cfg.train.device)
+    x, y = dataset.x_train.float().to(dev), dataset.y_train.to(dev)
     train_idx = partition.train
 
     class Wrapped(torch.nn.Module):
@@ -250,7 +262,7 @@ def run_pfl(cfg: Config, dataset, partition, rounds: int) -> dict:
         def __init__(self, rnd: int, m: int) -> None:
             super().__init__((x, y), user_id=f"{rnd}:{m}")
             plan = make_batches(train_idx, np.array([m]), training_seed, rnd, t.batch_size,
-                                t.local_steps, None)
+                                t.local_steps, None, dev)
             self._steps = plan.idx[0]  # (K, B) indices into x
             self._n = len(train_idx[m])
 
@@ -284,6 +296,7 @@ def run_pfl(cfg: Config, dataset, partition, rounds: int) -> dict:
             return Metrics()
 
         def after_central_iteration(self, aggregate_metrics, model, *, central_iteration):
+            _sync(cfg)
             now = time.perf_counter()
             self.times.append(now - self._t)
             self._t = now
@@ -292,7 +305,7 @@ def run_pfl(cfg: Config, dataset, partition, rounds: int) -> dict:
     # the same initial weights as the native runner (same builder, same seed, same names)
     mcfg = complete_model_config(cfg.model.name, cfg.model.params, dataset.input_shape,
                                  dataset.num_classes)
-    net = build_model(cfg.model.name, mcfg, training_seed, torch.float32)
+    net = build_model(cfg.model.name, mcfg, training_seed, torch.float32).to(dev)
     module = Wrapped(net)
     local = lambda params, lr: torch.optim.SGD(  # noqa: E731 - pfl passes lr itself
         params, lr=lr, momentum=t.momentum, weight_decay=t.weight_decay, foreach=False)
@@ -355,7 +368,7 @@ def run_all(args: argparse.Namespace, log: Callable[[str], None] = print) -> dic
     total = args.warmup + args.rounds
     extra = [] if args.num_clients is None else [f"partition.num_clients={args.num_clients}"]
     cfg = bench_config(args.config, args.clients_per_round, args.local_steps, args.batch_size,
-                       total, [*extra, *args.overrides])
+                       total, [*extra, *args.overrides], args.device)
     _check_fedavg(cfg)
     cfg, dataset, partition = load_workload(cfg)
     t = cfg.train
@@ -433,8 +446,10 @@ def run_all(args: argparse.Namespace, log: Callable[[str], None] = print) -> dic
     from real_data.bench import _cpu_name, _provenance
 
     return {"benchmark": "peers (issue 7): one FedAvg workload on linattn, Flower, pfl",
-            **_provenance(torch.device("cpu")),
-            "device": f"CPU: {_cpu_name()}, {os.cpu_count()} cores", "cpu_count": os.cpu_count(),
+            **_provenance(torch.device(args.device)),
+            "device": (f"GPU: {torch.cuda.get_device_name(args.device)}" if args.device != "cpu"
+                       else f"CPU: {_cpu_name()}, {os.cpu_count()} cores"),
+            "cpu_count": os.cpu_count(),
             "torch_threads": args.threads, "versions": _versions(),
             "config": {k: v for k, v in vars(args).items() if k != "out"},
             "workload": {"config": cfg.name, "data": cfg.data.name, "model": {
@@ -492,6 +507,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--flower-engine", default="sequential", choices=("sequential",
                                                                       "vectorized"),
                     help="linattn engine inside the Flower clients")
+    ap.add_argument("--device", default="cpu",
+                    help="cpu, or cuda for linattn's engines and pfl on the GPU (not Flower)")
     ap.add_argument("--out", type=Path, help="JSON file")
     ap.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     return ap
@@ -505,13 +522,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1 or args.warmup < 0 or args.threads < 1 or args.flower_actors < 1:
         raise UserError("bench_peers: needs --rounds >= 1, --warmup >= 0, --threads >= 1 and "
                         "--flower-actors >= 1")
+    if args.device not in ("cpu", "cuda"):
+        raise UserError(f"bench_peers: --device must be cpu or cuda, got {args.device!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("bench_peers: --device cuda but torch sees no CUDA device")
+    if args.device == "cuda" and "flower" in args.engines:
+        raise UserError("bench_peers: Flower runs on the CPU here; drop it from --engines "
+                        "with --device cuda")
     if "pfl" in args.engines and args.warmup < 1:
         raise UserError("bench_peers: pfl evaluates every user in its first round; give "
                         "--warmup >= 1 so that round is not timed")
     extra = [] if args.num_clients is None else [f"partition.num_clients={args.num_clients}"]
     _check_fedavg(bench_config(args.config, args.clients_per_round, args.local_steps,
                                args.batch_size, args.warmup + args.rounds,
-                               [*extra, *args.overrides]))  # bad overrides: exit 2, no run
+                               [*extra, *args.overrides], args.device))  # bad: exit 2
     started = time.perf_counter()
     data = run_all(args, lambda s: print(s, flush=True))
     data["total_wall_s"] = time.perf_counter() - started
