@@ -80,11 +80,11 @@ if triton is not None:
         return q, k, v
 
     @triton.jit
-    def _fwd_kernel(Q, K, V, BQ, BK, BV, O, L,
-                    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sbc, sob, soh, son,
-                    H, N, D, BPC, scale,
-                    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr,
-                    BD: tl.constexpr, PREC: tl.constexpr):
+    def _tile(Q, K, V, BQ, BK, BV, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sbc, H, N, D,
+              BPC, scale, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr,
+              BD: tl.constexpr, PREC: tl.constexpr):
+        """This program's (sample b, head h), its row/column indices and masks, q, k, v, the
+        scaled scores q k^T and which of them count."""
         pid = tl.program_id(0).to(tl.int64)
         b = pid // H
         h = pid % H
@@ -99,6 +99,17 @@ if triton is not None:
         valid = mn[None, :] & (n[:, None] >= 0)
         if CAUSAL:
             valid = valid & (n[None, :] <= n[:, None])
+        return pid, b, h, n, d, mn, md, m2, q, k, v, s, valid
+
+    @triton.jit
+    def _fwd_kernel(Q, K, V, BQ, BK, BV, O, L,
+                    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sbc, sob, soh, son,
+                    H, N, D, BPC, scale,
+                    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr,
+                    BD: tl.constexpr, PREC: tl.constexpr):
+        pid, b, h, n, d, mn, md, m2, q, k, v, s, valid = _tile(
+            Q, K, V, BQ, BK, BV, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sbc, H, N, D, BPC,
+            scale, CAUSAL, HAS_BIAS, BN, BD, PREC)
         s = tl.where(valid, s, float("-inf"))
         mx = tl.max(s, 1)
         p = tl.exp(s - mx[:, None])
@@ -118,24 +129,13 @@ if triton is not None:
                     BD: tl.constexpr, PREC: tl.constexpr):
         # DO has strides sg*; DQ, DK and DV share the strides sr*; with HAS_BIAS, DB gets the
         # sample's bias gradient (dq, dk, dv summed over its tokens), one row of 3 H D per sample
-        pid = tl.program_id(0).to(tl.int64)
-        b = pid // H
-        h = pid % H
-        n = tl.arange(0, BN)
-        d = tl.arange(0, BD)
-        mn = n < N
-        md = d < D
-        m2 = mn[:, None] & md[None, :]
-        q, k, v = _load_qkv(Q, K, V, BQ, BK, BV, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn,
-                            sbc, b, h, n, d, m2, md, BPC, D, HAS_BIAS)
+        pid, b, h, n, d, mn, md, m2, q, k, v, s, valid = _tile(
+            Q, K, V, BQ, BK, BV, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sbc, H, N, D, BPC,
+            scale, CAUSAL, HAS_BIAS, BN, BD, PREC)
         o = tl.load(O + b * sob + h * soh + n[:, None] * son + d[None, :], mask=m2, other=0.0)
         do = tl.load(DO + b * sgb + h * sgh + n[:, None] * sgn + d[None, :], mask=m2,
                      other=0.0)
         lse = tl.load(L + pid * N + n, mask=mn, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
-        valid = mn[None, :] & (n[:, None] >= 0)
-        if CAUSAL:
-            valid = valid & (n[None, :] <= n[:, None])
         p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
         dv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
