@@ -39,15 +39,13 @@ server side); Flower gets ``--flower-actors`` Ray actors (Ray ``num_cpus`` = act
 client) each set to ``--threads // --flower-actors`` torch threads (checked from inside the
 actors and recorded as ``actor_threads``).
 
-pfl 0.4.0 pins ``numpy<2.0`` while this project needs ``numpy>=2.2``, so pip cannot resolve
-both; pfl's code runs on numpy 2.4 unchanged. Install it without its pins (not part of any
-extra; CI does not need it)::
+pfl 0.6.0 (Python 3.10-3.12, ``numpy<3``) is in the ``dev`` extra (``pip install -e ".[dev]"``
+brings it). The CPU measurement in docs/results.md used pfl 0.4.0, which pins ``numpy<2.0``
+against this project's ``numpy>=2.2`` and needs Python < 3.12; it runs on numpy 2.4 unchanged
+when installed without its pins::
 
     pip install --no-deps pfl==0.4.0 multiprocess==0.70.19 dill==0.4.1 dp-accounting==0.5.1 \\
         prv-accountant==0.2.0 absl-py==1.4.0 dm-tree==0.1.10 wrapt
-
-pfl 0.6.0 (Python 3.10-3.12) pins ``numpy<3`` and runs the same code; it is the version for
-Python 3.12 machines (pfl 0.4.0 needs Python < 3.12): the same command with ``pfl==0.6.0``.
 
 An engine that cannot run (pfl or flwr missing, an error) is reported as not run, with the
 reason, and the others go on.
@@ -80,8 +78,7 @@ from real_data.metrics import step_flops
 ENGINES = ("linattn-vectorized", "linattn-sequential", "flower", "pfl")
 ACTOR_THREADS_ENV = "LINATTN_PEERS_ACTOR_THREADS"  # torch threads inside each Flower actor
 PROBE_ENV = "LINATTN_PEERS_PROBE"  # folder where each Flower actor records its thread count
-PFL_INSTALL = ("pip install --no-deps pfl==0.4.0 multiprocess==0.70.19 dill==0.4.1 "
-               "dp-accounting==0.5.1 prv-accountant==0.2.0 absl-py==1.4.0 dm-tree==0.1.10 wrapt")
+PFL_INSTALL = 'pip install "pfl==0.6.0" (in the dev extra)'
 
 
 # -- the workload ----------------------------------------------------------------------------

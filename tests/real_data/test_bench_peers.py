@@ -28,8 +28,7 @@ TINY = ["model.dim=8", "model.mlp_dim=16", "model.depth=1", "model.heads=2",
 
 
 def test_pfl_fedavg_rounds_equal_the_native_sequential_engine():
-    pytest.importorskip("pfl", reason="pfl-research is not installed (optional peer; "
-                        "see real_data/bench_peers.py for the install line)")
+    pytest.importorskip("pfl", reason="pfl-research is not installed (it is in the dev extra)")
     cfg = bench_config("digits_vit", clients_per_round=3, local_steps=3, batch_size=8,
                        rounds=2, overrides=TINY)
     cfg, dataset, partition = load_workload(cfg)
