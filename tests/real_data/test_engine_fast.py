@@ -184,11 +184,13 @@ def test_cuda_graph_path_matches_sequential_fp32(kind, monkeypatch):
 
 @pytest.mark.gpu
 @cuda
-def test_cuda_graph_path_bf16_close_to_sequential():
-    """bf16 autocast: both engines round differently; they agree to bf16 accuracy."""
-    model = _model("vit", dtype=torch.float32, dim=32, heads=4, mlp_dim=64)
+@pytest.mark.parametrize("kind, compile", [("vit", False), ("vit", True), ("char", True)])
+def test_cuda_graph_path_bf16_close_to_sequential(kind, compile):
+    """bf16 autocast (the Triton attention kernels apply; compiled or not): both engines round
+    differently; they agree to bf16 accuracy."""
+    model = _model(kind, dtype=torch.float32, dim=32, heads=4, mlp_dim=64)
     job = _job(model, spec=MOMENTUM, clients=6, device="cuda", autocast=torch.bfloat16)
-    a, b = fast.train_fast(job), train_sequential(job)
+    a, b = fast.train_fast(job, compile=compile), train_sequential(job)
     for n in a.params:
         delta = (a.params[n] - job.global_params[n]).double()
         ref = (b.params[n] - job.global_params[n]).double()
