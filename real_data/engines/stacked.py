@@ -78,6 +78,12 @@ class _Net:
             return torch.bmm(x, wt)
         return _bias_bmm(b.unsqueeze(1) if b.dim() == 2 else b, x, wt)
 
+    def fused(self, prefixes: list[str], own: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Weights and biases of several linears side by side (along the output axis)."""
+        dim = 1 if own else 0
+        return (torch.cat([self.p(f"{q}.weight") for q in prefixes], dim=dim),
+                torch.cat([self.p(f"{q}.bias") for q in prefixes], dim=dim))
+
     def linears(self, x: torch.Tensor, prefixes: list[str]) -> list[torch.Tensor]:
         """Several linears of one input, those with stacked (or with shared) weights fused."""
         out: dict[str, torch.Tensor] = {}
@@ -86,9 +92,7 @@ class _Net:
                    and self.own(f"{q}.weight") == own and self.own(f"{q}.bias") == own]
             if len(grp) < 2:
                 continue
-            dim = 1 if own else 0
-            w = torch.cat([self.p(f"{q}.weight") for q in grp], dim=dim)
-            b = torch.cat([self.p(f"{q}.bias") for q in grp], dim=dim)
+            w, b = self.fused(grp, own)
             y = _bias_bmm(b.unsqueeze(1), x, w.transpose(1, 2)) if own else F.linear(x, w, b)
             out.update(zip(grp, y.split([self.p(f"{q}.bias").shape[-1] for q in grp], -1)))
         return [out[q] if q in out else self.linear(x, q) for q in prefixes]
@@ -119,8 +123,7 @@ class _Net:
         c, _, d = x.shape
         h = mod.heads
         if self.packed(x, prefix, mod, n):  # one GEMM, the bias added inside the kernel
-            w = torch.cat([self.p(f"{prefix}.{q}.weight") for q in "qkv"], dim=1)
-            b = torch.cat([self.p(f"{prefix}.{q}.bias") for q in "qkv"], dim=1)
+            w, b = self.fused([f"{prefix}.{q}" for q in "qkv"], own=True)
             qkv = torch.bmm(x, w.transpose(1, 2))
             y = tiny_attention.qkv_attention(qkv, b.to(qkv.dtype), h, n, mod.causal)
             return self.linear(y, f"{prefix}.out")
@@ -132,7 +135,7 @@ class _Net:
         q, k, v = heads(q), heads(k), heads(v)
         if mod.kind == "softmax":
             if self.kernel == "triton" or (self.kernel == "auto"
-                                           and tiny_attention.usable(q, k, v, mod.causal)):
+                                           and tiny_attention.usable(q, k, v)):
                 y = tiny_attention.attention(q, k, v, mod.causal)
             else:
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=mod.causal)

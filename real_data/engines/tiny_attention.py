@@ -1,8 +1,8 @@
 """Softmax attention for short sequences: one Triton program per (sample, head).
 
 The federated models here attend over few tokens (the ViT: 50, the character Transformer: 80)
-with narrow heads (32 and 16). The library's flash kernels tile the sequence in blocks of 128
-and are built for long sequences; at N = 50 most of each tile is padding, and the profile of a
+with narrow heads (32 and 16). The library's flash kernels are built for long sequences and
+tile them in large blocks, so at N = 50 much of each tile is padding; the profile of a
 500-client ViT round put the cuDNN flash forward and backward at about 15% of the GPU time
 (``docs/bench/engines_profile.txt``). Here the whole sequence fits one tile, so a program loads
 q, k and v of one (sample, head) once, forms the N x N scores in registers, and writes the
@@ -35,7 +35,7 @@ MAX_N = 128
 MAX_D = 128
 
 
-def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> bool:
+def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """True when :func:`attention` applies: CUDA, fp16/bf16, N <= 128, D <= 128, Triton."""
     return (triton is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
             and q.dim() == 4 and q.shape == k.shape == v.shape
