@@ -17,14 +17,16 @@ gradient clipping at 5. Stages: ``full`` (FedAvg round, everything trains), ``fr
 (FedFrozen ``train=v``: the value projections alone train).
 
 A round is what :class:`~real_data.federation.Federation` does around local training: draw the
-minibatch plan (:func:`make_batches`), run the engine, average the uploaded parameters. Timing:
-CUDA events around each round, after ``warmup`` untimed rounds; the median of ``repeats``
-rounds (the inter-quartile range is kept). The sequential engine costs the same per client
-whatever the round's size, so by default it is timed on ``seq_clients`` clients and scaled for
-larger rounds (``extrapolated: true`` in the JSON); ``--seq-direct`` names cells timed on the
-full round. FLOPs are counted by ``torch.utils.flop_counter`` on one client step of the model's
-own code (:func:`real_data.metrics.step_flops`; frozen parameters get no weight gradient) and
-multiplied by the round's steps; effective TFLOP/s = counted FLOPs / median round time.
+minibatch plan (:class:`~real_data.engines.BatchPlanner`: drawn ahead on a CPU thread while the
+previous round trains, as the federation does; ``--no-prefetch`` draws it inside the round), run the
+engine, average the uploaded parameters. Timing: CUDA events around each round, after ``warmup``
+untimed rounds; the median of ``repeats`` rounds (the inter-quartile range is kept). The sequential
+engine costs the same per client whatever the round's size, so by default it is timed on
+``seq_clients`` clients and scaled for larger rounds (``extrapolated: true`` in the JSON);
+``--seq-direct`` names cells timed on the full round. FLOPs are counted by
+``torch.utils.flop_counter`` on one client step of the model's own code
+(:func:`real_data.metrics.step_flops`; frozen parameters get no weight gradient) and multiplied by
+the round's steps; effective TFLOP/s = counted FLOPs / median round time.
 
 Usage: ``linattn bench [--clients 10,50,100,500] [--engines fast,vmap,sequential] ...
 [--out docs/bench/engines.json]`` (``--help`` lists everything). The JSON holds the config, the
@@ -49,7 +51,14 @@ import numpy as np
 import torch
 
 from real_data.algorithms import AlgorithmContext, FedAvg, FedAvgParams, weighted_average
-from real_data.engines import LocalJob, OptimizerSpec, fast, make_batches, train_sequential
+from real_data.engines import (
+    BatchPlanner,
+    LocalJob,
+    OptimizerSpec,
+    fast,
+    make_batches,
+    train_sequential,
+)
 from real_data.engines.vectorized import train_vmap
 from real_data.metrics import step_flops
 from real_data.models import CharTransformerConfig, ViTConfig, build_model, names_of_kind
@@ -97,8 +106,9 @@ STAGES = ("full", "frozen", "frozen_v")
 class Bench:
     """A workload on a device: model, data, partition into ``max_clients`` equal clients."""
 
-    def __init__(self, work: Workload, max_clients: int, device: torch.device, seed: int = 0):
-        self.work, self.device = work, device
+    def __init__(self, work: Workload, max_clients: int, device: torch.device, seed: int = 0,
+                 prefetch: bool = True):
+        self.work, self.device, self.prefetch = work, device, prefetch
         self.model = build_model(work.model, work.config, seed).to(device).eval()
         self.params = {n: p.detach().clone() for n, p in self.model.named_parameters()}
         g = torch.Generator().manual_seed(seed)
@@ -118,6 +128,8 @@ class Bench:
         ctx = AlgorithmContext(self.groups, shapes, max_clients, 100, max_clients,
                                work.local_steps, OPTIMIZER)
         self.algorithm = FedAvg(FedAvgParams(), ctx)
+        self.planner = BatchPlanner(self.train_idx, 0, work.batch_size, work.local_steps, None,
+                                    device)
 
     def trainable(self, stage: str) -> tuple[str, ...]:
         """FedFrozen's trainable set in each stage (``full``: every parameter)."""
@@ -138,8 +150,12 @@ class Bench:
         """One round: batch plan, local training of ``clients`` clients, FedAvg aggregation."""
         ids = np.arange(clients)
         w = self.work
-        batches = make_batches(self.train_idx, ids, 0, rnd, w.batch_size, w.local_steps, None,
-                               self.device)
+        if self.prefetch:  # as Federation: the next round's plan drawn while this one trains
+            batches = self.planner.plan(ids, rnd)
+            self.planner.prefetch(ids, rnd + 1)
+        else:
+            batches = make_batches(self.train_idx, ids, 0, rnd, w.batch_size, w.local_steps,
+                                   None, self.device)
         autocast = torch.bfloat16 if precision == "bf16" and self.device.type == "cuda" else None
         trainable = self.trainable(stage)
         job = LocalJob(model=self.model, algorithm=self.algorithm, global_params=self.params,
@@ -255,7 +271,7 @@ def run_grid(args: argparse.Namespace, device: torch.device,
     """
     rows: list[dict] = []
     for wname in args.models:
-        bench = Bench(WORKLOADS[wname], max(args.clients), device)
+        bench = Bench(WORKLOADS[wname], max(args.clients), device, prefetch=args.prefetch)
         w = bench.work
         for precision in args.precisions:
             for stage in args.stages:
@@ -442,6 +458,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="cells model:precision:stage:clients whose sequential round is timed "
                          "whole")
     ap.add_argument("--no-ceilings", action="store_true", help="skip the card's rates")
+    ap.add_argument("--no-prefetch", dest="prefetch", action="store_false",
+                    help="draw each round's minibatch plan in the round, not ahead on a thread")
     ap.add_argument("--profile", metavar="CELL",
                     help="instead of the grid: kernel-time table of one round of "
                          "model:precision:stage:clients:engine (torch.profiler)")

@@ -15,7 +15,7 @@ import torch
 
 from real_data.algorithms import AlgorithmContext, get_algorithm
 from real_data.config import Config
-from real_data.engines import LocalJob, OptimizerSpec, get_engine, make_batches
+from real_data.engines import BatchPlanner, LocalJob, OptimizerSpec, get_engine
 from real_data.metrics import (
     evaluate,
     local_summary,
@@ -106,6 +106,8 @@ class Federation:
                                model=dataclasses.asdict(mcfg))
         self.algorithm = get_algorithm(cfg.algorithm.name)(cfg.algorithm.params, ctx)
         self.engine = get_engine(t.engine)
+        self.planner = BatchPlanner(partition.train, cfg.role_seed("training"), t.batch_size,
+                                    t.local_steps, t.local_epochs, self.device)
         self._flops: dict[tuple[str, ...], int] = {}
 
     # -- state --------------------------------------------------------------------------------
@@ -130,7 +132,7 @@ class Federation:
         bytes_up = BYTES_PER_NUMBER * algo.upload_numel(plan, ids, state.server_state)
         # 2. local training on every sampled client (or on other processes: self.trainer)
         if self.trainer is None:
-            results = self.train_clients(state, rnd, plan, ids)
+            results = self.train_clients(state, rnd, plan, ids, ahead=True)
             agg_weights, dispersion = weights, None
         else:  # -> (results, weights for server_update, (dispersion, norm) or None)
             results, agg_weights, dispersion = self.trainer(self, state, rnd, plan, ids, weights)
@@ -173,11 +175,19 @@ class Federation:
         records += [(rnd, "global", k, v) for k, v in sorted(g.items())]
         return new_state, records
 
-    def train_clients(self, state: FedState, rnd: int, plan, ids: np.ndarray):
-        """Local training of the clients ``ids`` in round ``rnd`` here (-> ClientResults)."""
+    def train_clients(self, state: FedState, rnd: int, plan, ids: np.ndarray,
+                      ahead: bool = False):
+        """Local training of the clients ``ids`` in round ``rnd`` here (-> ClientResults).
+
+        ``ahead``: draw the next round's minibatch plan on a CPU thread while this round trains
+        (the whole next round's clients; see :class:`~real_data.engines.BatchPlanner`).
+        """
         cfg, algo, t = self.cfg, self.algorithm, self.cfg.train
-        batches = make_batches(self.partition.train, ids, cfg.role_seed("training"), rnd,
-                               t.batch_size, t.local_steps, t.local_epochs, self.device)
+        batches = self.planner.plan(ids, rnd)
+        if ahead and rnd < t.rounds:
+            self.planner.prefetch(sample_clients(cfg.role_seed("sampling"), rnd + 1,
+                                                 self.partition.num_clients,
+                                                 t.clients_per_round), rnd + 1)
         idx = torch.as_tensor(ids, device=self.device)
         job = LocalJob(
             model=self.model, algorithm=algo, global_params=state.global_params,

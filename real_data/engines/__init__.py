@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from real_data.engines.base import (
     Batches,
+    BatchPlanner,
     ClientResults,
     Engine,
     LocalJob,
@@ -28,6 +29,7 @@ ENGINES: dict[str, Engine] = {"vectorized": train_vectorized,
 
 __all__ = [
     "ENGINES",
+    "BatchPlanner",
     "Batches",
     "ClientResults",
     "Engine",

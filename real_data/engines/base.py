@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -80,6 +81,35 @@ def client_rng(training_seed: int, rnd: int, client: int) -> np.random.Generator
     return np.random.default_rng([training_seed, rnd, client])
 
 
+def _draw_plan(train_idx: tuple[np.ndarray, ...], m: int, training_seed: int, rnd: int,
+               batch_size: int, local_steps: int | None,
+               local_epochs: float | None) -> np.ndarray:
+    """Client ``m``'s ``(S_m, B)`` minibatch indices of round ``rnd``."""
+    own = np.asarray(train_idx[m])
+    n = len(own)
+    s = local_steps if local_steps is not None else math.ceil(local_epochs * n / batch_size)
+    s = max(int(s), 1)
+    rng = client_rng(training_seed, rnd, int(m))
+    need = s * batch_size
+    order = np.concatenate([rng.permutation(n) for _ in range(math.ceil(need / n))])
+    return own[order[:need]].reshape(s, batch_size)
+
+
+def _assemble(plans: list[np.ndarray], device: torch.device | str) -> Batches:
+    steps = [len(p) for p in plans]
+    s_max, batch_size = max(steps), plans[0].shape[1]
+    idx = np.empty((len(plans), s_max, batch_size), dtype=np.int64)
+    active = np.zeros((len(plans), s_max), dtype=bool)
+    for c, (plan, s) in enumerate(zip(plans, steps)):
+        idx[c, :s], idx[c, s:] = plan, plan[0]
+        active[c, :s] = True
+    return Batches(
+        torch.from_numpy(idx).to(device),
+        torch.from_numpy(active).to(device),
+        torch.tensor(steps, dtype=torch.int64),
+    )
+
+
 def make_batches(
     train_idx: tuple[np.ndarray, ...],
     client_ids: np.ndarray,
@@ -91,28 +121,55 @@ def make_batches(
     device: torch.device | str = "cpu",
 ) -> Batches:
     """Draw every sampled client's minibatch indices for round ``rnd`` (see module docstring)."""
-    plans, steps = [], []
-    for m in client_ids:
-        own = np.asarray(train_idx[m])
-        n = len(own)
-        s = local_steps if local_steps is not None else math.ceil(local_epochs * n / batch_size)
-        s = max(int(s), 1)
-        rng = client_rng(training_seed, rnd, int(m))
-        need = s * batch_size
-        order = np.concatenate([rng.permutation(n) for _ in range(math.ceil(need / n))])
-        plans.append(own[order[:need]].reshape(s, batch_size))
-        steps.append(s)
-    s_max = max(steps)
-    idx = np.empty((len(client_ids), s_max, batch_size), dtype=np.int64)
-    active = np.zeros((len(client_ids), s_max), dtype=bool)
-    for c, (plan, s) in enumerate(zip(plans, steps)):
-        idx[c, :s], idx[c, s:] = plan, plan[0]
-        active[c, :s] = True
-    return Batches(
-        torch.from_numpy(idx).to(device),
-        torch.from_numpy(active).to(device),
-        torch.tensor(steps, dtype=torch.int64),
-    )
+    return _assemble([_draw_plan(train_idx, int(m), training_seed, rnd, batch_size,
+                                 local_steps, local_epochs) for m in client_ids], device)
+
+
+class BatchPlanner:
+    """:func:`make_batches` with a round drawn ahead on a CPU thread.
+
+    Drawing a plan is per-client Python (one seeded generator and a few permutations per
+    client: about 60 us each, 30 ms for 500 clients), during which the GPU would sit idle.
+    :meth:`prefetch` draws a later round's plans on a background thread while the GPU trains
+    the current one; :meth:`plan` returns exactly what :func:`make_batches` returns (the draws
+    depend only on ``(training_seed, rnd, m)``), taking the clients drawn ahead and drawing
+    any others now.
+    """
+
+    def __init__(self, train_idx: tuple[np.ndarray, ...], training_seed: int, batch_size: int,
+                 local_steps: int | None, local_epochs: float | None,
+                 device: torch.device | str = "cpu") -> None:
+        self._args = (train_idx, training_seed, batch_size, local_steps, local_epochs)
+        self.device = device
+        self._pool: ThreadPoolExecutor | None = None
+        self._ahead: tuple[int, Future] | None = None
+
+    def _draw(self, ids: np.ndarray, rnd: int) -> dict[int, np.ndarray]:
+        train_idx, seed, b, steps, epochs = self._args
+        return {int(m): _draw_plan(train_idx, int(m), seed, rnd, b, steps, epochs) for m in ids}
+
+    def prefetch(self, client_ids: np.ndarray, rnd: int) -> None:
+        """Start drawing round ``rnd``'s plans of ``client_ids`` in the background."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="batch-plan")
+        self._ahead = (rnd, self._pool.submit(self._draw, np.array(client_ids), rnd))
+
+    def plan(self, client_ids: np.ndarray, rnd: int) -> Batches:
+        """The plan of ``client_ids`` in round ``rnd``, as :func:`make_batches`."""
+        ready: dict[int, np.ndarray] = {}
+        if self._ahead is not None and self._ahead[0] == rnd:
+            ready = self._ahead[1].result()
+        elif self._ahead is not None and self._ahead[0] < rnd:
+            self._ahead = None
+        train_idx, seed, b, steps, epochs = self._args
+        plans = [ready[int(m)] if int(m) in ready else
+                 _draw_plan(train_idx, int(m), seed, rnd, b, steps, epochs) for m in client_ids]
+        return _assemble(plans, self.device)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool, self._ahead = None, None
 
 
 def task_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

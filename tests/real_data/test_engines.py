@@ -7,7 +7,8 @@ import pytest
 import torch
 from conftest import federation, random_partition, tiny_config, train_rounds
 
-from real_data.engines import make_batches
+from real_data.engines import BatchPlanner, make_batches
+from real_data.federation import sample_clients
 
 RTOL = 1e-6  # float64 on CPU: both engines compute the same sums in different orders
 
@@ -64,6 +65,41 @@ def test_batches_depend_only_on_seed_round_client(digits):
     b = make_batches(part.train, np.array([0, 1, 2, 3]), 7, 4, 8, 3, None)
     assert torch.equal(a.idx[0], b.idx[1]) and torch.equal(a.idx[1], b.idx[3])
     assert set(a.idx[0].flatten().tolist()) <= set(part.train[1].tolist())
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in ((a.idx, b.idx), (a.active, b.active),
+                                              (a.steps, b.steps)))
+
+
+@pytest.mark.parametrize("steps, epochs", [(3, None), (None, 1.5)])
+def test_planner_drawn_ahead_equals_make_batches(digits, steps, epochs):
+    part = random_partition(digits, 6, seed=0)
+    planner = BatchPlanner(part.train, 7, 8, steps, epochs)
+    try:
+        planner.prefetch(np.array([0, 2, 3, 5]), 4)
+        # a subset of the clients drawn ahead, then others only partly drawn ahead
+        for ids in (np.array([2, 5]), np.array([0, 1, 4, 5])):
+            assert _same(planner.plan(ids, 4), make_batches(part.train, ids, 7, 4, 8, steps,
+                                                            epochs))
+        # a round other than the one drawn ahead is drawn now
+        assert _same(planner.plan(np.array([1, 3]), 5),
+                     make_batches(part.train, np.array([1, 3]), 7, 5, 8, steps, epochs))
+        assert planner.plan(np.array([1]), 4).idx.shape[0] == 1
+    finally:
+        planner.close()
+
+
+def test_federation_draws_the_next_rounds_plan_ahead(digits):
+    cfg = tiny_config("train.rounds=2", "train.clients_per_round=3", "algorithm.name=fedavg")
+    fed = federation(cfg, digits, random_partition(digits, 6, seed=0))
+    state, _ = fed.run_round(fed.initial_state(), 1)
+    rnd, future = fed.planner._ahead
+    ids = sample_clients(cfg.role_seed("sampling"), 2, fed.partition.num_clients, 3)
+    assert rnd == 2 and sorted(future.result()) == ids.tolist()
+    fed.run_round(state, 2)
+    assert fed.planner._ahead[0] == 2  # nothing drawn past the last round
+    fed.planner.close()
 
 
 def test_epochs_give_larger_clients_more_steps(digits):
