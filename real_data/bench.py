@@ -72,6 +72,9 @@ ENGINES: dict[str, Callable] = {
     "fast_compile": functools.partial(fast.train_fast, graphs=True, compile=True),
     # the same with SDPA's flash kernels in place of the one-tile Triton attention
     "fast_sdpa": functools.partial(fast.train_fast, graphs=True, attention="sdpa"),
+    # the same without folding the LayerNorms' per-client affine into the next linears
+    "fast_compile_nofold": functools.partial(fast.train_fast, graphs=True, compile=True,
+                                             fold_norms=False),
     "fast_compile_sdpa": functools.partial(fast.train_fast, graphs=True, compile=True,
                                            attention="sdpa"),
     # Triton GEMMs with fused epilogues where inductor's autotuning finds them faster
@@ -152,7 +155,6 @@ class Bench:
         w = self.work
         if self.prefetch:  # as Federation: the next round's plan drawn while this one trains
             batches = self.planner.plan(ids, rnd)
-            self.planner.prefetch(ids, rnd + 1)
         else:
             batches = make_batches(self.train_idx, ids, 0, rnd, w.batch_size, w.local_steps,
                                    None, self.device)
@@ -162,6 +164,8 @@ class Bench:
                        trainable=trainable, batches=batches, x=self.x, y=self.y,
                        optimizer=OPTIMIZER, client_ids=ids, autocast=autocast)
         results = engine(job)
+        if self.prefetch:  # after the engine has queued its work (the launches need the GIL)
+            self.planner.prefetch(ids, rnd + 1)
         sizes = torch.tensor([len(self.train_idx[m]) for m in ids], dtype=torch.float64)
         weights = (sizes / sizes.sum()).to(self.device)
         return {n: weighted_average(results.params[n], weights) for n in trainable}
@@ -353,8 +357,10 @@ def summarize(rows: list[dict], ceilings: dict) -> dict:
     return out
 
 
-def profile_cell(cell: str, device: torch.device, warmup: int) -> int:
-    """Print the kernels of one round, most device time first (a look, not a timing)."""
+def profile_cell(cell: str, device: torch.device, warmup: int,
+                 trace: Path | None = None) -> int:
+    """Print the kernels of one round, most device time first (a look, not a timing), and
+    where the GPU sat idle in it (``timeline``); ``trace`` keeps the Chrome trace."""
     from torch.profiler import ProfilerActivity, profile
 
     model, precision, stage, clients, engine = cell.split(":")
@@ -369,7 +375,46 @@ def profile_cell(cell: str, device: torch.device, warmup: int) -> int:
             torch.cuda.synchronize(device)
     key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70))
+    if device.type == "cuda":
+        path = trace or Path(f"/tmp/linattn-trace-{time.time_ns()}.json")
+        prof.export_chrome_trace(str(path))
+        print(timeline(json.loads(path.read_text())))
+        if trace is None:
+            path.unlink()
     return 0
+
+
+def timeline(trace: dict, top: int = 12) -> str:
+    """GPU busy and idle time of a Chrome trace: the span from the first kernel (or copy) to
+    the last, the time covered by kernels, and the longest idle gaps with the kernels around
+    them and the CPU ops running during them."""
+    ev = trace["traceEvents"]
+    gpu = sorted((e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+                  and "dur" in e), key=lambda e: e["ts"])
+    if not gpu:
+        return "timeline: no GPU events"
+    cpu = [e for e in ev if e.get("cat") in ("cpu_op", "python_function", "cuda_runtime",
+                                             "cuda_driver") and "dur" in e]
+    span = gpu[-1]["ts"] + gpu[-1]["dur"] - gpu[0]["ts"]
+    gaps, busy, end = [], 0.0, gpu[0]["ts"]
+    prev = gpu[0]
+    for e in gpu:
+        if e["ts"] > end:
+            gaps.append((e["ts"] - end, end, prev["name"], e["name"]))
+        busy += max(0.0, e["ts"] + e["dur"] - max(end, e["ts"]))
+        if e["ts"] + e["dur"] > end:
+            end, prev = e["ts"] + e["dur"], e
+    idle = span - busy
+    small = sum(g[0] for g in gaps if g[0] < 20)
+    lines = [f"timeline: GPU span {span / 1e3:.2f} ms, kernels/copies {busy / 1e3:.2f} ms, "
+             f"idle {idle / 1e3:.2f} ms ({len(gaps)} gaps; {small / 1e3:.2f} ms in gaps "
+             "< 20 us)", "longest idle gaps (us, after -> before, CPU ops then):"]
+    for dur, t0, a, b in sorted(gaps, reverse=True)[:top]:
+        during = sorted({c["name"][:40] for c in cpu
+                         if c["ts"] < t0 + dur and c["ts"] + c["dur"] > t0
+                         and c["dur"] < 10 * dur + 1e5})[:6]
+        lines.append(f"  {dur:9.1f}  {a[:45]} -> {b[:45]}  [{'; '.join(during)}]")
+    return "\n".join(lines)
 
 
 def _ms(r: dict | None) -> str:
@@ -463,6 +508,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--profile", metavar="CELL",
                     help="instead of the grid: kernel-time table of one round of "
                          "model:precision:stage:clients:engine (torch.profiler)")
+    ap.add_argument("--trace", type=Path, metavar="JSON",
+                    help="with --profile: also write the round's Chrome trace here")
     ap.add_argument("--render", type=Path, metavar="JSON", nargs="+",
                     help="instead of the grid: print result files as one markdown table")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -487,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     device = torch.device(args.device)
     if args.profile:
-        return profile_cell(args.profile, device, args.warmup)
+        return profile_cell(args.profile, device, args.warmup, args.trace)
     started = time.perf_counter()
     prov = _provenance(device)
     print(f"engine benchmark on {prov['device']} (torch {prov['torch']})", flush=True)

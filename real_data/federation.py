@@ -184,10 +184,6 @@ class Federation:
         """
         cfg, algo, t = self.cfg, self.algorithm, self.cfg.train
         batches = self.planner.plan(ids, rnd)
-        if ahead and rnd < t.rounds:
-            self.planner.prefetch(sample_clients(cfg.role_seed("sampling"), rnd + 1,
-                                                 self.partition.num_clients,
-                                                 t.clients_per_round), rnd + 1)
         idx = torch.as_tensor(ids, device=self.device)
         job = LocalJob(
             model=self.model, algorithm=algo, global_params=state.global_params,
@@ -202,6 +198,10 @@ class Federation:
         if self.model.training != (self._dropout > 0):
             self.model.train(self._dropout > 0)
         results = self.engine(job)
+        if ahead and rnd < t.rounds:  # once this round is queued: its launches need the GIL
+            self.planner.prefetch(sample_clients(cfg.role_seed("sampling"), rnd + 1,
+                                                 self.partition.num_clients,
+                                                 t.clients_per_round), rnd + 1)
         self.model.eval()
         return results
 

@@ -131,7 +131,8 @@ class BatchPlanner:
     Drawing a plan is per-client Python (one seeded generator and a few permutations per
     client: about 60 us each, 30 ms for 500 clients), during which the GPU would sit idle.
     :meth:`prefetch` draws a later round's plans on a background thread while the GPU trains
-    the current one; :meth:`plan` returns exactly what :func:`make_batches` returns (the draws
+    the current one (call it once the round's work is queued: the thread holds the GIL, which
+    the launches need); :meth:`plan` returns exactly what :func:`make_batches` returns (the draws
     depend only on ``(training_seed, rnd, m)``), taking the clients drawn ahead and drawing
     any others now.
     """

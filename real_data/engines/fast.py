@@ -79,6 +79,7 @@ class _Setup:
     graphs: bool
     compile: bool | str  # False, True (default mode) or a torch.compile mode
     attention: str
+    fold_norms: bool = True
 
 
 def _allow_recompiles(limit: int = 256) -> None:
@@ -95,7 +96,8 @@ def _allow_recompiles(limit: int = 256) -> None:
 def _regularizer_kind(job: LocalJob) -> object:
     """The regularizer of client 0: a number (constant for all) or ``"tensor"``."""
     anchor = {n: job.global_params[n] for n in job.trainable}
-    one = {n: job.start(n)[0] for n in job.trainable}
+    one = {n: job.overrides[n][0] if n in job.overrides else job.global_params[n]
+           for n in job.trainable}
     r = job.algorithm.regularizer(one, anchor, {k: v[0] for k, v in job.client_state.items()},
                                   job.server_state)
     return "tensor" if isinstance(r, torch.Tensor) else float(r)
@@ -157,8 +159,12 @@ class _Runner:
     # -- per chunk ----------------------------------------------------------------------------
     def load(self, job: LocalJob, rows: torch.Tensor) -> None:
         """Start values, optimizer state, batches and accumulators of the clients ``rows``."""
-        for n, view in self.views.items():
-            view.copy_(job.start(n)[rows])
+        if any(n in job.overrides for n in self.views):
+            for n, view in self.views.items():
+                view.copy_(job.start(n)[rows])
+        else:  # every client starts at the global values: one concat, one broadcast copy
+            g = torch.cat([job.global_params[n].reshape(-1) for n in self.views])
+            self.flat.copy_(g.unsqueeze(0).expand_as(self.flat))
         for n, t in self.shared.items():
             t.copy_(job.global_params[n])
         for n, t in self.own.items():
@@ -218,7 +224,8 @@ class _Runner:
                else contextlib.nullcontext())
         with ctx:
             logits = stacked_forward(self.model, {**self.shared, **self.own, **leaves},
-                                     self.stacked, xb, self.setup.attention)
+                                     self.stacked, xb, self.setup.attention,
+                                     self.setup.fold_norms)
         return _client_loss(logits, yb)
 
     def step(self) -> None:
@@ -298,11 +305,12 @@ class _Runner:
 
 
 def _setup(job: LocalJob, graphs: bool, compile: bool | str,
-           attention: str = "auto") -> _Setup:
+           attention: str = "auto", fold_norms: bool = True) -> _Setup:
     fixed = [n for n in job.global_params if n not in job.trainable]
     reg = _regularizer_kind(job)
     dev = job.x.device
-    ragged = not bool(job.batches.active.all())
+    steps = job.batches.steps  # on the CPU: no device sync
+    ragged = bool((steps != steps.max()).any())
     return _Setup(
         trainable=tuple(job.trainable),
         shared=tuple(n for n in fixed if n not in job.overrides),
@@ -317,6 +325,7 @@ def _setup(job: LocalJob, graphs: bool, compile: bool | str,
         graphs=graphs and dev.type == "cuda" and reg != "tensor",
         compile=compile,
         attention=attention,
+        fold_norms=fold_norms,
     )
 
 
@@ -360,7 +369,7 @@ def _runner(job: LocalJob, setup: _Setup, cc: int) -> _Runner:
 
 
 def train_fast(job: LocalJob, graphs: bool = True, compile: bool | str = False,
-               attention: str = "auto") -> ClientResults:
+               attention: str = "auto", fold_norms: bool = True) -> ClientResults:
     """Train the round's clients with the fast path (see the module docstring).
 
     Parameters
@@ -377,26 +386,29 @@ def train_fast(job: LocalJob, graphs: bool = True, compile: bool | str = False,
     attention : {"auto", "sdpa", "triton"}
         Softmax attention kernel (:func:`~real_data.engines.stacked.stacked_forward`): the
         one-tile Triton kernel where it applies, or always SDPA.
+    fold_norms : bool
+        Fold each LayerNorm's per-client affine into the next linears' weights where they
+        are all trained (the same function; see :meth:`stacked._Net.layer_norm`).
     """
-    setup = _setup(job, graphs, compile, attention)
+    setup = _setup(job, graphs, compile, attention, fold_norms)
     n_clients = len(job.client_ids)
     dev = job.x.device
     cc = _max_chunk(job, setup, n_clients)
     n_chunks = -(-n_clients // cc)
     cc = -(-n_clients // n_chunks)  # equal chunks: one graph; the last one padded
     runner = _runner(job, setup, cc)
-    params = {n: torch.empty(n_clients, *s, dtype=setup.dtype, device=dev)
-              for n, s in zip(setup.trainable, setup.shapes)}
+    flat = torch.empty(n_clients, runner.flat.shape[1], dtype=setup.dtype, device=dev)
     acc = {k: torch.empty(n_clients, dtype=torch.float64, device=dev) for k in runner.acc}
     for a in range(0, n_clients, cc):
         real = min(cc, n_clients - a)
         rows = torch.arange(a, a + cc, device=dev).clamp(max=n_clients - 1)
         runner.run(job, rows, setup.steps)
-        for n in setup.trainable:
-            params[n][a:a + real].copy_(runner.views[n][:real])
+        flat[a:a + real].copy_(runner.flat[:real])
         for k, t in runner.acc.items():
             acc[k][a:a + real].copy_(t[:real])
     steps = job.batches.steps.to(dev).double()
+    # each parameter a (C, *shape) view into the one (C, P) result
+    params = dict(zip(setup.trainable, runner._split(flat)))
     return ClientResults(
         params=params,
         data_loss=acc["loss"] / steps,

@@ -31,6 +31,7 @@ from real_data.models.layers import _linear_feature_map
 from real_data.models.vit import ViT
 
 Params = dict[str, torch.Tensor]
+Fold = tuple[torch.Tensor, torch.Tensor] | None  # a LayerNorm's (C, D) weight and bias
 ATTENTION = ("auto", "sdpa", "triton")  # softmax attention kernel; see the module docstring
 
 
@@ -55,10 +56,11 @@ class _Net:
     """Parameter access for one call: ``p(name)`` and whether it has a client axis."""
 
     def __init__(self, params: Params, stacked: frozenset[str], clients: int,
-                 attention: str = "auto") -> None:
+                 attention: str = "auto", fold_norms: bool = True) -> None:
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
         self.params, self.stacked, self.c, self.kernel = params, stacked, clients, attention
+        self.fold_norms = fold_norms
 
     def p(self, name: str) -> torch.Tensor:
         return self.params[name]
@@ -67,8 +69,17 @@ class _Net:
         return name in self.stacked
 
     # -- building blocks, x is (C, T, features) ----------------------------------------------
-    def linear(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
+    def folded(self, prefix: str, fold: Fold) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A linear's weight and bias, with a preceding LayerNorm's per-client affine
+        ``(w, b)`` folded in: ``(y w + b) W^T + c = y (W diag(w))^T + (W b + c)``."""
         w, b = self.p(f"{prefix}.weight"), self.params.get(f"{prefix}.bias")
+        if fold is None:
+            return w, b
+        lw, lb = fold  # (C, in) each; elementwise products, in fp32 under autocast too
+        return w * lw.unsqueeze(1), b + (w * lb.unsqueeze(1)).sum(-1)
+
+    def linear(self, x: torch.Tensor, prefix: str, fold: Fold = None) -> torch.Tensor:
+        w, b = self.folded(prefix, fold)
         if not self.own(f"{prefix}.weight"):
             if b is None or not self.own(f"{prefix}.bias"):
                 return F.linear(x, w, b)
@@ -78,13 +89,15 @@ class _Net:
             return torch.bmm(x, wt)
         return _bias_bmm(b.unsqueeze(1) if b.dim() == 2 else b, x, wt)
 
-    def fused(self, prefixes: list[str], own: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def fused(self, prefixes: list[str], own: bool,
+              fold: Fold = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Weights and biases of several linears side by side (along the output axis)."""
         dim = 1 if own else 0
-        return (torch.cat([self.p(f"{q}.weight") for q in prefixes], dim=dim),
-                torch.cat([self.p(f"{q}.bias") for q in prefixes], dim=dim))
+        wb = [self.folded(q, fold) for q in prefixes]
+        return torch.cat([w for w, _ in wb], dim=dim), torch.cat([b for _, b in wb], dim=dim)
 
-    def linears(self, x: torch.Tensor, prefixes: list[str]) -> list[torch.Tensor]:
+    def linears(self, x: torch.Tensor, prefixes: list[str],
+                fold: Fold = None) -> list[torch.Tensor]:
         """Several linears of one input, those with stacked (or with shared) weights fused."""
         out: dict[str, torch.Tensor] = {}
         for own in (True, False):
@@ -92,20 +105,35 @@ class _Net:
                    and self.own(f"{q}.weight") == own and self.own(f"{q}.bias") == own]
             if len(grp) < 2:
                 continue
-            w, b = self.fused(grp, own)
+            w, b = self.fused(grp, own, fold)
             y = _bias_bmm(b.unsqueeze(1), x, w.transpose(1, 2)) if own else F.linear(x, w, b)
             out.update(zip(grp, y.split([self.p(f"{q}.bias").shape[-1] for q in grp], -1)))
-        return [out[q] if q in out else self.linear(x, q) for q in prefixes]
+        return [out[q] if q in out else self.linear(x, q, fold) for q in prefixes]
 
-    def layer_norm(self, x: torch.Tensor, prefix: str, eps: float) -> torch.Tensor:
+    def layer_norm(self, x: torch.Tensor, prefix: str, eps: float,
+                   consumers: tuple[str, ...] = ()) -> tuple[torch.Tensor, Fold]:
+        """LayerNorm of ``x`` and the affine left to fold into the next linears.
+
+        When the affine and every consumer linear (``consumers``: those that read the output,
+        with weight and bias) are the clients' own, the affine is not applied here: it is
+        returned, to be folded into the consumers' weights (:meth:`folded`). That is the same
+        function, and it spares the per-client affine's passes over the activations (forward
+        and its gradient's reductions over every token); under bf16 autocast it rounds
+        differently (the normalized values are cast, not the affine output).
+        """
         w, b = self.p(f"{prefix}.weight"), self.p(f"{prefix}.bias")
         shape = (x.shape[-1],)
+        own = [f"{prefix}.weight", f"{prefix}.bias"] + \
+            [f"{q}.{t}" for q in consumers for t in ("weight", "bias")]
+        if self.fold_norms and consumers and all(nm in self.params and self.own(nm)
+                                                 for nm in own):
+            return F.layer_norm(x, shape, None, None, eps), (w, b)
         if not self.own(f"{prefix}.weight") and not self.own(f"{prefix}.bias"):
-            return F.layer_norm(x, shape, w, b, eps)
+            return F.layer_norm(x, shape, w, b, eps), None
         y = F.layer_norm(x, shape, None, None, eps)
         w = w.unsqueeze(1) if self.own(f"{prefix}.weight") else w
         b = b.unsqueeze(1) if self.own(f"{prefix}.bias") else b
-        return torch.addcmul(b, y, w)
+        return torch.addcmul(b, y, w), None
 
     def packed(self, x: torch.Tensor, prefix: str, mod, n: int) -> bool:
         """Whether q, k, v go to the packed Triton kernel: softmax, every q/k/v weight and bias
@@ -119,15 +147,16 @@ class _Net:
         dt = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
         return tiny_attention.packed_usable(x, dt, n, x.shape[-1] // mod.heads)
 
-    def attention(self, x: torch.Tensor, prefix: str, mod, batch: int, n: int) -> torch.Tensor:
+    def attention(self, x: torch.Tensor, prefix: str, mod, batch: int, n: int,
+                  fold: Fold = None) -> torch.Tensor:
         c, _, d = x.shape
         h = mod.heads
         if self.packed(x, prefix, mod, n):  # one GEMM, the bias added inside the kernel
-            w, b = self.fused([f"{prefix}.{q}" for q in "qkv"], own=True)
+            w, b = self.fused([f"{prefix}.{q}" for q in "qkv"], own=True, fold=fold)
             qkv = torch.bmm(x, w.transpose(1, 2))
             y = tiny_attention.qkv_attention(qkv, b.to(qkv.dtype), h, n, mod.causal)
             return self.linear(y, f"{prefix}.out")
-        q, k, v = self.linears(x, [f"{prefix}.q", f"{prefix}.k", f"{prefix}.v"])
+        q, k, v = self.linears(x, [f"{prefix}.q", f"{prefix}.k", f"{prefix}.v"], fold)
 
         def heads(t: torch.Tensor) -> torch.Tensor:  # (C, B N, D) -> (C B, h, N, D/h)
             return t.reshape(c * batch, n, h, d // h).transpose(1, 2)
@@ -154,9 +183,11 @@ class _Net:
 
     def block(self, x: torch.Tensor, i: int, blk, batch: int, n: int) -> torch.Tensor:
         pre = f"blocks.{i}"
-        x = x + self.attention(self.layer_norm(x, f"{pre}.norm1", blk.norm1.eps), f"{pre}.attn",
-                               blk.attn, batch, n)
-        hid = self.linear(self.layer_norm(x, f"{pre}.norm2", blk.norm2.eps), f"{pre}.mlp.fc1")
+        y, fold = self.layer_norm(x, f"{pre}.norm1", blk.norm1.eps,
+                                  tuple(f"{pre}.attn.{q}" for q in "qkv"))
+        x = x + self.attention(y, f"{pre}.attn", blk.attn, batch, n, fold)
+        y, fold = self.layer_norm(x, f"{pre}.norm2", blk.norm2.eps, (f"{pre}.mlp.fc1",))
+        hid = self.linear(y, f"{pre}.mlp.fc1", fold)
         hid = F.gelu(hid) if isinstance(blk.mlp.act, nn.GELU) else F.relu(hid)
         return x + self.linear(hid, f"{pre}.mlp.fc2")
 
@@ -167,7 +198,8 @@ class _Net:
 
 
 def stacked_forward(model: nn.Module, params: Params, stacked: frozenset[str],
-                    x: torch.Tensor, attention: str = "auto") -> torch.Tensor:
+                    x: torch.Tensor, attention: str = "auto",
+                    fold_norms: bool = True) -> torch.Tensor:
     """Logits of every client on its own minibatch.
 
     Parameters
@@ -181,6 +213,9 @@ def stacked_forward(model: nn.Module, params: Params, stacked: frozenset[str],
     attention : {"auto", "sdpa", "triton"}
         Softmax attention kernel: the Triton one-tile kernel where it applies ("auto"),
         always SDPA, or always Triton (which then must be usable).
+    fold_norms : bool
+        Fold a LayerNorm's per-client affine into the next linears' weights where all of them
+        are the clients' own (:meth:`_Net.layer_norm`).
 
     Returns
     -------
@@ -188,7 +223,7 @@ def stacked_forward(model: nn.Module, params: Params, stacked: frozenset[str],
         ``(C, B, num_classes)`` (ViT) or ``(C, B, L, vocab)`` (CharTransformer).
     """
     c, b = x.shape[:2]
-    net = _Net(params, stacked, c, attention)
+    net = _Net(params, stacked, c, attention, fold_norms)
     if isinstance(model, ViT):
         cfg = model.cfg
         _, _, ch, hh, ww = x.shape
@@ -217,9 +252,9 @@ def stacked_forward(model: nn.Module, params: Params, stacked: frozenset[str],
         raise TypeError(f"stacked_forward does not support {type(model).__name__}")
     for i, blk in enumerate(model.blocks):
         h = net.block(h, i, blk, b, n)
-    h = net.layer_norm(h, "norm", model.norm.eps)
-    if isinstance(model, ViT):
+    h, fold = net.layer_norm(h, "norm", model.norm.eps, ("head",))
+    if isinstance(model, ViT):  # pooling is linear: the fold commutes with it
         h = h.reshape(c, b, n, -1)
         h = h[:, :, 0] if model.cfg.pool == "cls" else h[:, :, 1:].mean(dim=2)  # (C, B, D)
-        return net.linear(h, "head")
-    return net.linear(h, "head").reshape(c, b, n, -1)  # (C, B, L, V)
+        return net.linear(h, "head", fold)
+    return net.linear(h, "head", fold).reshape(c, b, n, -1)  # (C, B, L, V)

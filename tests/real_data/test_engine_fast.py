@@ -105,6 +105,53 @@ def test_fast_path_matches_sequential(kind, cfg, spec, stage):
     _assert_close(fast.train_fast(job), train_sequential(job))
 
 
+@pytest.mark.parametrize("kind", ["vit", "char"])
+@pytest.mark.parametrize("stage", ["full", "all_but_qk"])
+def test_folded_layer_norm_affine_is_the_same_function(kind, stage, monkeypatch):
+    """Folding each LayerNorm's per-client affine into the next linears (the default) gives
+    the unfolded logits and gradients to float64 rounding, with affines away from (1, 0)."""
+    from real_data.engines import stacked
+    from real_data.engines.stacked import stacked_forward
+
+    folded, norm = [], stacked._Net.layer_norm
+
+    def spy(self, x, prefix, eps, consumers=()):
+        y, fold = norm(self, x, prefix, eps, consumers)
+        folded.append((prefix, fold is not None))
+        return y, fold
+
+    monkeypatch.setattr(stacked._Net, "layer_norm", spy)
+
+    model = _model(kind)
+    g = torch.Generator().manual_seed(5)
+    c = 3
+    names = [n for n, _ in model.named_parameters()]
+    train = names if stage == "full" else _all_but_qk(model)
+    params = {n: (p.detach().unsqueeze(0).repeat(c, *[1] * p.dim())
+                  + 0.3 * torch.randn(c, *p.shape, generator=g, dtype=p.dtype)
+                  if n in train else p.detach()).requires_grad_(n in train)
+              for n, p in model.named_parameters()}
+    if kind == "vit":
+        x = torch.rand(c, 4, 1, 8, 8, generator=g, dtype=torch.float64)
+    else:
+        x = torch.randint(11, (c, 4, 6), generator=g)
+    out = {}
+    for fold in (True, False):
+        y = stacked_forward(model, params, frozenset(train), x, fold_norms=fold)
+        grads = torch.autograd.grad((y * torch.linspace(-1, 1, y.shape[-1],
+                                                        dtype=y.dtype)).sum(),
+                                    [params[n] for n in train])
+        out[fold] = (y, grads)
+    # per run 2 depth + 1 LayerNorms; folded: norm1 where q, k and v train, norm2 and the last
+    depth, half = model.cfg.depth, len(folded) // 2
+    assert half == 2 * depth + 1
+    assert sum(f for _, f in folded[:half]) == (2 * depth + 1 if stage == "full" else depth + 1)
+    assert not any(f for _, f in folded[half:])
+    assert torch.allclose(out[True][0], out[False][0], rtol=1e-10, atol=1e-12)
+    for n, a, b in zip(train, out[True][1], out[False][1]):
+        assert torch.allclose(a, b, rtol=1e-9, atol=1e-12), n
+
+
 def test_ragged_epochs_adam_clipping():
     """Clients of different sizes train different numbers of steps (idle steps masked)."""
     model = _model("vit")
