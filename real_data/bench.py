@@ -163,11 +163,13 @@ class Bench:
         job = LocalJob(model=self.model, algorithm=self.algorithm, global_params=self.params,
                        trainable=trainable, batches=batches, x=self.x, y=self.y,
                        optimizer=OPTIMIZER, client_ids=ids, autocast=autocast)
+        # the weights before the engine, as the federation has them: a host-to-device copy
+        # after it would wait for the queued training before the averaging could be queued
+        sizes = torch.tensor([len(self.train_idx[m]) for m in ids], dtype=torch.float64)
+        weights = (sizes / sizes.sum()).to(self.device)
         results = engine(job)
         if self.prefetch:  # after the engine has queued its work (the launches need the GIL)
             self.planner.prefetch(ids, rnd + 1)
-        sizes = torch.tensor([len(self.train_idx[m]) for m in ids], dtype=torch.float64)
-        weights = (sizes / sizes.sum()).to(self.device)
         return {n: weighted_average(results.params[n], weights) for n in trainable}
 
 

@@ -95,19 +95,25 @@ def _draw_plan(train_idx: tuple[np.ndarray, ...], m: int, training_seed: int, rn
     return own[order[:need]].reshape(s, batch_size)
 
 
-def _assemble(plans: list[np.ndarray], device: torch.device | str) -> Batches:
-    steps = [len(p) for p in plans]
-    s_max, batch_size = max(steps), plans[0].shape[1]
-    idx = np.empty((len(plans), s_max, batch_size), dtype=np.int64)
+def _stack(plans: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(C, S, B)`` indices (idle steps repeat the first batch), ``(C, S)`` activity, steps."""
+    steps = np.array([len(p) for p in plans], dtype=np.int64)
+    s_max = int(steps.max())
+    if (steps == s_max).all():  # every client takes the same number of steps
+        return np.stack(plans), np.ones((len(plans), s_max), dtype=bool), steps
+    idx = np.empty((len(plans), s_max, plans[0].shape[1]), dtype=np.int64)
     active = np.zeros((len(plans), s_max), dtype=bool)
     for c, (plan, s) in enumerate(zip(plans, steps)):
         idx[c, :s], idx[c, s:] = plan, plan[0]
         active[c, :s] = True
-    return Batches(
-        torch.from_numpy(idx).to(device),
-        torch.from_numpy(active).to(device),
-        torch.tensor(steps, dtype=torch.int64),
-    )
+    return idx, active, steps
+
+
+def _to_batches(stacked: tuple[np.ndarray, np.ndarray, np.ndarray],
+                device: torch.device | str) -> Batches:
+    idx, active, steps = stacked
+    return Batches(torch.from_numpy(idx).to(device), torch.from_numpy(active).to(device),
+                   torch.from_numpy(steps))
 
 
 def make_batches(
@@ -121,8 +127,9 @@ def make_batches(
     device: torch.device | str = "cpu",
 ) -> Batches:
     """Draw every sampled client's minibatch indices for round ``rnd`` (see module docstring)."""
-    return _assemble([_draw_plan(train_idx, int(m), training_seed, rnd, batch_size,
-                                 local_steps, local_epochs) for m in client_ids], device)
+    return _to_batches(_stack([_draw_plan(train_idx, int(m), training_seed, rnd, batch_size,
+                                          local_steps, local_epochs) for m in client_ids]),
+                       device)
 
 
 class BatchPlanner:
@@ -143,29 +150,34 @@ class BatchPlanner:
         self._args = (train_idx, training_seed, batch_size, local_steps, local_epochs)
         self.device = device
         self._pool: ThreadPoolExecutor | None = None
-        self._ahead: tuple[int, Future] | None = None
+        self._ahead: tuple[int, np.ndarray, Future] | None = None
 
-    def _draw(self, ids: np.ndarray, rnd: int) -> dict[int, np.ndarray]:
+    def _draw(self, ids: np.ndarray, rnd: int) -> tuple[dict[int, np.ndarray], tuple]:
         train_idx, seed, b, steps, epochs = self._args
-        return {int(m): _draw_plan(train_idx, int(m), seed, rnd, b, steps, epochs) for m in ids}
+        plans = {int(m): _draw_plan(train_idx, int(m), seed, rnd, b, steps, epochs)
+                 for m in ids}
+        return plans, _stack([plans[int(m)] for m in ids])
 
     def prefetch(self, client_ids: np.ndarray, rnd: int) -> None:
         """Start drawing round ``rnd``'s plans of ``client_ids`` in the background."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="batch-plan")
-        self._ahead = (rnd, self._pool.submit(self._draw, np.array(client_ids), rnd))
+        ids = np.array(client_ids)
+        self._ahead = (rnd, ids, self._pool.submit(self._draw, ids, rnd))
 
     def plan(self, client_ids: np.ndarray, rnd: int) -> Batches:
         """The plan of ``client_ids`` in round ``rnd``, as :func:`make_batches`."""
         ready: dict[int, np.ndarray] = {}
         if self._ahead is not None and self._ahead[0] == rnd:
-            ready = self._ahead[1].result()
+            ready, stacked = self._ahead[2].result()
+            if np.array_equal(self._ahead[1], client_ids):  # the clients drawn ahead, in order
+                return _to_batches(stacked, self.device)
         elif self._ahead is not None and self._ahead[0] < rnd:
             self._ahead = None
         train_idx, seed, b, steps, epochs = self._args
         plans = [ready[int(m)] if int(m) in ready else
                  _draw_plan(train_idx, int(m), seed, rnd, b, steps, epochs) for m in client_ids]
-        return _assemble(plans, self.device)
+        return _to_batches(_stack(plans), self.device)
 
     def close(self) -> None:
         if self._pool is not None:

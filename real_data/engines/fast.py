@@ -397,6 +397,9 @@ def train_fast(job: LocalJob, graphs: bool = True, compile: bool | str = False,
     n_chunks = -(-n_clients // cc)
     cc = -(-n_clients // n_chunks)  # equal chunks: one graph; the last one padded
     runner = _runner(job, setup, cc)
+    # copied now, while the device is idle: a host-to-device copy after the queued steps would
+    # hold the host until they finish
+    steps = job.batches.steps.to(dev).double()
     flat = torch.empty(n_clients, runner.flat.shape[1], dtype=setup.dtype, device=dev)
     acc = {k: torch.empty(n_clients, dtype=torch.float64, device=dev) for k in runner.acc}
     for a in range(0, n_clients, cc):
@@ -406,7 +409,6 @@ def train_fast(job: LocalJob, graphs: bool = True, compile: bool | str = False,
         flat[a:a + real].copy_(runner.flat[:real])
         for k, t in runner.acc.items():
             acc[k][a:a + real].copy_(t[:real])
-    steps = job.batches.steps.to(dev).double()
     # each parameter a (C, *shape) view into the one (C, P) result
     params = dict(zip(setup.trainable, runner._split(flat)))
     return ClientResults(

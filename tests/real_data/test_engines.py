@@ -75,17 +75,24 @@ def _same(a, b) -> bool:
 @pytest.mark.parametrize("steps, epochs", [(3, None), (None, 1.5)])
 def test_planner_drawn_ahead_equals_make_batches(digits, steps, epochs):
     part = random_partition(digits, 6, seed=0)
-    planner = BatchPlanner(part.train, 7, 8, steps, epochs)
+    train = tuple(ix[:s] for ix, s in zip(part.train, (10, 40, 25, 60, 8, 33)))  # ragged epochs
+    planner = BatchPlanner(train, 7, 8, steps, epochs)
+
+    def ref(ids, rnd):
+        return make_batches(train, ids, 7, rnd, 8, steps, epochs)
+
     try:
-        planner.prefetch(np.array([0, 2, 3, 5]), 4)
+        ahead = np.array([0, 2, 3, 5])
+        planner.prefetch(ahead, 4)
+        assert _same(planner.plan(ahead, 4), ref(ahead, 4))  # the clients drawn ahead
         # a subset of the clients drawn ahead, then others only partly drawn ahead
         for ids in (np.array([2, 5]), np.array([0, 1, 4, 5])):
-            assert _same(planner.plan(ids, 4), make_batches(part.train, ids, 7, 4, 8, steps,
-                                                            epochs))
+            assert _same(planner.plan(ids, 4), ref(ids, 4))
         # a round other than the one drawn ahead is drawn now
-        assert _same(planner.plan(np.array([1, 3]), 5),
-                     make_batches(part.train, np.array([1, 3]), 7, 5, 8, steps, epochs))
+        assert _same(planner.plan(np.array([1, 3]), 5), ref(np.array([1, 3]), 5))
         assert planner.plan(np.array([1]), 4).idx.shape[0] == 1
+        if epochs:
+            assert len(set(ref(ahead, 4).steps.tolist())) > 1
     finally:
         planner.close()
 
@@ -94,9 +101,10 @@ def test_federation_draws_the_next_rounds_plan_ahead(digits):
     cfg = tiny_config("train.rounds=2", "train.clients_per_round=3", "algorithm.name=fedavg")
     fed = federation(cfg, digits, random_partition(digits, 6, seed=0))
     state, _ = fed.run_round(fed.initial_state(), 1)
-    rnd, future = fed.planner._ahead
+    rnd, ahead, future = fed.planner._ahead
     ids = sample_clients(cfg.role_seed("sampling"), 2, fed.partition.num_clients, 3)
-    assert rnd == 2 and sorted(future.result()) == ids.tolist()
+    assert rnd == 2 and ahead.tolist() == ids.tolist()
+    assert sorted(future.result()[0]) == ids.tolist()
     fed.run_round(state, 2)
     assert fed.planner._ahead[0] == 2  # nothing drawn past the last round
     fed.planner.close()
