@@ -50,14 +50,17 @@ def packed_usable(x: torch.Tensor, dtype: torch.dtype, n: int, d: int) -> bool:
             and n <= MAX_N and d <= MAX_D)
 
 
-# warps per program by tile size (BN); real_data/scripts/bench_attention.py measures others
-WARPS = {16: 4, 32: 4, 64: 4, 128: 4}
+# warps per program by tile size (BN), forward and backward; the best of 1-16 measured by
+# real_data/scripts/bench_attention.py on an H200 (docs/bench/attention.json): the ViT's tile
+# (64) forward 2, backward 4; the character model's (128) forward 4, backward 2
+WARPS = {16: 4, 32: 4, 64: 2, 128: 4}
+BWD_WARPS = {16: 4, 32: 4, 64: 4, 128: 2}
 
 
-def _blocks(n: int, d: int) -> tuple[int, int, int]:
+def _blocks(n: int, d: int, backward: bool = False) -> tuple[int, int, int]:
     bn = max(16, triton.next_power_of_2(n))
     bd = max(16, triton.next_power_of_2(d))
-    return bn, bd, WARPS[bn]
+    return bn, bd, (BWD_WARPS if backward else WARPS)[bn]
 
 
 if triton is not None:
@@ -188,7 +191,7 @@ def _launch_fwd(q, k, v, bq, bk, bv, sbc, bpc, o, causal):
 
 def _launch_bwd(q, k, v, bq, bk, bv, sbc, bpc, o, do, lse, dq, dk, dv, db, causal):
     b, h, n, d = q.shape
-    bn, bd, warps = _blocks(n, d)
+    bn, bd, warps = _blocks(n, d, backward=True)
     _bwd_kernel[(b * h,)](q, k, v, bq, bk, bv, o, do, lse, dq, dk, dv, db,
                           *_s3(q), *_s3(k), *_s3(v), sbc, *_s3(o), *_s3(do), *_s3(dq),
                           0 if db is None else db.stride(0), h, n, d, bpc,

@@ -8,7 +8,9 @@ output of the q/k/v GEMM and its bias, as the stacked forward has them:
   (cuDNN / flash kernels), what the fast engine ran before;
 - ``tiny``: bias add, then the one-tile Triton kernel on the same views;
 - ``packed``: :func:`~real_data.engines.tiny_attention.qkv_attention` (bias inside the kernel,
-  bias gradient out of the backward), at each number of warps per program in ``--warps``.
+  bias gradient out of the backward), at each number of warps per program in ``--warps`` (the
+  same in both kernels), and at the defaults (``packed_default``: ``WARPS`` forward,
+  ``BWD_WARPS`` backward).
 
 Median of CUDA-event timings after warm-up; one JSON row per (model, variant).
 Usage: ``python -m real_data.scripts.bench_attention [--warps 2,4,8] [--out FILE]``.
@@ -66,20 +68,23 @@ def _bench(name: str, shape: tuple, warps_list: list[int], repeats: int) -> list
         return tiny_attention.qkv_attention(qkv, bias, h, n, causal)
 
     bn = max(16, 1 << (n - 1).bit_length())
-    default = tiny_attention.WARPS[bn]
-    variants = [("sdpa", sdpa, default), ("tiny", tiny, default)]
-    variants += [(f"packed_w{w}", packed, w) for w in sorted(set(warps_list) | {default})]
+    fwd_default, bwd_default = tiny_attention.WARPS[bn], tiny_attention.BWD_WARPS[bn]
+    variants = [("sdpa", sdpa, fwd_default, bwd_default),
+                ("tiny", tiny, fwd_default, bwd_default)]
+    variants += [(f"packed_w{w}", packed, w, w)
+                 for w in sorted(set(warps_list) | {fwd_default, bwd_default})]
+    variants.append(("packed_default", packed, fwd_default, bwd_default))
     rows = []
-    for vname, fn, w in variants:
-        tiny_attention.WARPS[bn] = w
+    for vname, fn, wf, wb in variants:
+        tiny_attention.WARPS[bn], tiny_attention.BWD_WARPS[bn] = wf, wb
         try:
             fwd = _time(fn, repeats)
             both = _time(lambda fn=fn: fn().backward(g), repeats)
         finally:
-            tiny_attention.WARPS[bn] = default
-        rows.append({"model": name, "variant": vname, "warps": w, "shape": list(shape),
-                     "fwd_ms": fwd * 1e3, "fwd_bwd_ms": both * 1e3})
-        print(f"{name:5s} {vname:10s} fwd {fwd * 1e3:7.3f} ms  fwd+bwd {both * 1e3:7.3f} ms",
+            tiny_attention.WARPS[bn], tiny_attention.BWD_WARPS[bn] = fwd_default, bwd_default
+        rows.append({"model": name, "variant": vname, "warps": wf, "bwd_warps": wb,
+                     "shape": list(shape), "fwd_ms": fwd * 1e3, "fwd_bwd_ms": both * 1e3})
+        print(f"{name:5s} {vname:14s} fwd {fwd * 1e3:7.3f} ms  fwd+bwd {both * 1e3:7.3f} ms",
               flush=True)
     return rows
 
