@@ -135,26 +135,42 @@ class _Net:
         b = b.unsqueeze(1) if self.own(f"{prefix}.bias") else b
         return torch.addcmul(b, y, w), None
 
-    def packed(self, x: torch.Tensor, prefix: str, mod, n: int) -> bool:
-        """Whether q, k, v go to the packed Triton kernel: softmax, every q/k/v weight and bias
-        the client's own (one stacked GEMM), and the kernel allowed and usable."""
-        names = [f"{prefix}.{q}.{w}" for q in "qkv" for w in ("weight", "bias")]
+    def packed(self, x: torch.Tensor, prefix: str, mod, n: int) -> str | None:
+        """Which packed Triton kernel takes q, k, v: ``"qkv"`` when every q/k/v weight and
+        bias is the client's own (one stacked GEMM), ``"qk_v"`` when q and k are shared and v
+        is the client's own (FedFrozen's frozen stages: one shared GEMM for q and k, a stacked
+        one for v), else None; only for softmax attention with the kernel allowed and usable."""
+        own = {q: [self.own(f"{prefix}.{q}.{w}") for w in ("weight", "bias")] for q in "qkv"}
         if mod.kind != "softmax" or self.kernel == "sdpa" or \
-                not all(nm in self.params and self.own(nm) for nm in names):
-            return False
+                not all(f"{prefix}.{q}.bias" in self.params for q in "qkv"):
+            return None
+        if all(own["q"] + own["k"] + own["v"]):
+            kind = "qkv"
+        elif not any(own["q"] + own["k"]) and all(own["v"]):
+            kind = "qk_v"
+        else:
+            return None
         if self.kernel == "triton":
-            return True
+            return kind
         dt = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
-        return tiny_attention.packed_usable(x, dt, n, x.shape[-1] // mod.heads)
+        return kind if tiny_attention.packed_usable(x, dt, n, x.shape[-1] // mod.heads) else None
 
     def attention(self, x: torch.Tensor, prefix: str, mod, batch: int, n: int,
                   fold: Fold = None) -> torch.Tensor:
         c, _, d = x.shape
         h = mod.heads
-        if self.packed(x, prefix, mod, n):  # one GEMM, the bias added inside the kernel
+        kind = self.packed(x, prefix, mod, n)
+        if kind == "qkv":  # one GEMM, the bias added inside the kernel
             w, b = self.fused([f"{prefix}.{q}" for q in "qkv"], own=True, fold=fold)
             qkv = torch.bmm(x, w.transpose(1, 2))
             y = tiny_attention.qkv_attention(qkv, b.to(qkv.dtype), h, n, mod.causal)
+            return self.linear(y, f"{prefix}.out")
+        if kind == "qk_v":  # q, k from one shared GEMM; v's bias added inside the kernel
+            w, b = self.fused([f"{prefix}.q", f"{prefix}.k"], own=False)
+            qk = F.linear(x, w, b)
+            wv, bv = self.folded(f"{prefix}.v", fold)
+            v = torch.bmm(x, wv.transpose(1, 2))
+            y = tiny_attention.qk_v_attention(qk, v, bv.to(v.dtype), h, n, mod.causal)
             return self.linear(y, f"{prefix}.out")
         q, k, v = self.linears(x, [f"{prefix}.q", f"{prefix}.k", f"{prefix}.v"], fold)
 

@@ -126,12 +126,13 @@ if triton is not None:
     @triton.jit
     def _bwd_kernel(Q, K, V, BQ, BK, BV, O, DO, L, DQ, DK, DV, DB,
                     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sbc, sob, soh, son,
-                    sgb, sgh, sgn, srb, srh, srn, sdb,
+                    sgb, sgh, sgn, srb, srh, srn, swb, swh, swn, sdb,
                     H, N, D, BPC, scale,
                     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr,
                     BD: tl.constexpr, PREC: tl.constexpr):
-        # DO has strides sg*; DQ, DK and DV share the strides sr*; with HAS_BIAS, DB gets the
-        # sample's bias gradient (dq, dk, dv summed over its tokens), one row of 3 H D per sample
+        # DO has strides sg*; DQ and DK share the strides sr*, DV has sw*; with HAS_BIAS, DB
+        # gets the sample's bias gradient (dq, dk, dv summed over its tokens), one row of
+        # 3 H D per sample
         pid, b, h, n, d, mn, md, m2, q, k, v, s, valid = _tile(
             Q, K, V, BQ, BK, BV, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sbc, H, N, D, BPC,
             scale, CAUSAL, HAS_BIAS, BN, BD, PREC)
@@ -149,7 +150,8 @@ if triton is not None:
         offr = b * srb + h * srh + n[:, None] * srn + d[None, :]
         tl.store(DQ + offr, dq.to(DQ.dtype.element_ty), mask=m2)
         tl.store(DK + offr, dk.to(DK.dtype.element_ty), mask=m2)
-        tl.store(DV + offr, dv.to(DV.dtype.element_ty), mask=m2)
+        tl.store(DV + b * swb + h * swh + n[:, None] * swn + d[None, :],
+                 dv.to(DV.dtype.element_ty), mask=m2)
         if HAS_BIAS:  # the stored (rounded) values, as a bias gradient of the GEMM output
             ob = b * sdb + h * D + d
             tl.store(DB + ob, tl.sum(dq.to(DQ.dtype.element_ty).to(tl.float32), 0), mask=md)
@@ -194,7 +196,7 @@ def _launch_bwd(q, k, v, bq, bk, bv, sbc, bpc, o, do, lse, dq, dk, dv, db, causa
     bn, bd, warps = _blocks(n, d, backward=True)
     _bwd_kernel[(b * h,)](q, k, v, bq, bk, bv, o, do, lse, dq, dk, dv, db,
                           *_s3(q), *_s3(k), *_s3(v), sbc, *_s3(o), *_s3(do), *_s3(dq),
-                          0 if db is None else db.stride(0), h, n, d, bpc,
+                          *_s3(dv), 0 if db is None else db.stride(0), h, n, d, bpc,
                           1.0 / math.sqrt(d), CAUSAL=causal, HAS_BIAS=bq is not None,
                           BN=bn, BD=bd, PREC=_prec(q), num_warps=warps)
 
@@ -247,12 +249,16 @@ _attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 # -- packed: one (C, T, 3 H D) GEMM output and its per-client bias ----------------------------
+def _heads(x: torch.Tensor, heads: int, n: int, parts: int) -> list[torch.Tensor]:
+    """``parts`` (C T / n, H, n, D) views of a (C, T, parts H D) tensor."""
+    c, t, width = x.shape
+    y = x.view(c * t // n, n, parts, heads, width // (parts * heads))
+    return [y[:, :, i].transpose(1, 2) for i in range(parts)]
+
+
 def _split(qkv: torch.Tensor, heads: int, n: int) -> list[torch.Tensor]:
     """q, k, v of a (C, T, 3 H D) tensor as (C T / n, H, n, D) views."""
-    c, t, three_hd = qkv.shape
-    d = three_hd // (3 * heads)
-    x = qkv.view(c * t // n, n, 3, heads, d)
-    return [x[:, :, i].transpose(1, 2) for i in range(3)]
+    return _heads(qkv, heads, n, 3)
 
 
 @torch.library.custom_op("linattn::tiny_qkv_attention", mutates_args=())
@@ -313,6 +319,87 @@ def _qkv_backward(ctx, dout, _dlse):
 
 
 _qkv_op.register_autograd(_qkv_backward, setup_context=_qkv_setup_context)
+
+
+# -- shared q/k, the clients' own v: FedFrozen's frozen stages --------------------------------
+@torch.library.custom_op("linattn::tiny_qk_v_attention", mutates_args=())
+def _qk_v_op(qk: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, heads: int, n: int,
+             causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    qk, v, bias = qk.contiguous(), v.contiguous(), bias.contiguous()
+    c, t, hd = v.shape
+    q, k = _heads(qk, heads, n, 2)
+    (vv,) = _heads(v, heads, n, 1)
+    out = v.new_empty(c, t, hd)
+    (o,) = _heads(out, heads, n, 1)
+    lse = _launch_fwd(q, k, vv, bias, bias[:, hd:], bias[:, 2 * hd:], bias.stride(0), t // n,
+                      o, causal)
+    return out, lse
+
+
+@_qk_v_op.register_fake
+def _(qk, v, bias, heads, n, causal):
+    c, t, hd = v.shape
+    return v.new_empty(c, t, hd), v.new_empty(c * t // n, heads, n, dtype=torch.float32)
+
+
+@torch.library.custom_op("linattn::tiny_qk_v_attention_backward", mutates_args=())
+def _qk_v_backward_op(qk: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, out: torch.Tensor,
+                      dout: torch.Tensor, lse: torch.Tensor, heads: int, n: int,
+                      causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    qk, v, bias, out, dout = (t.contiguous() for t in (qk, v, bias, out, dout))
+    c, t, hd = v.shape
+    q, k = _heads(qk, heads, n, 2)
+    (vv,) = _heads(v, heads, n, 1)
+    dqk, dv = torch.empty_like(qk), torch.empty_like(v)
+    dq, dk = _heads(dqk, heads, n, 2)
+    (dvv,) = _heads(dv, heads, n, 1)
+    part = torch.empty(c * t // n, 3 * hd, dtype=torch.float32, device=v.device)
+    _launch_bwd(q, k, vv, bias, bias[:, hd:], bias[:, 2 * hd:], bias.stride(0), t // n,
+                _heads(out, heads, n, 1)[0], _heads(dout, heads, n, 1)[0], lse, dq, dk, dvv,
+                part, causal)
+    dbias = part.view(c, t // n, 3 * hd).sum(1).to(bias.dtype)
+    return dqk, dv, dbias
+
+
+@_qk_v_backward_op.register_fake
+def _(qk, v, bias, out, dout, lse, heads, n, causal):
+    return torch.empty_like(qk), torch.empty_like(v), torch.empty_like(bias)
+
+
+def _qk_v_setup_context(ctx, inputs, output) -> None:
+    qk, v, bias, heads, n, causal = inputs
+    out, lse = output
+    ctx.save_for_backward(qk, v, bias, out, lse)
+    ctx.heads, ctx.n, ctx.causal = heads, n, causal
+
+
+def _qk_v_backward(ctx, dout, _dlse):
+    qk, v, bias, out, lse = ctx.saved_tensors
+    dqk, dv, dbias = _qk_v_backward_op(qk, v, bias, out, dout, lse, ctx.heads, ctx.n,
+                                       ctx.causal)
+    return dqk, dv, dbias, None, None, None
+
+
+_qk_v_op.register_autograd(_qk_v_backward, setup_context=_qk_v_setup_context)
+
+
+def qk_v_attention(qk: torch.Tensor, v: torch.Tensor, v_bias: torch.Tensor, heads: int, n: int,
+                   causal: bool = False) -> torch.Tensor:
+    """Attention with q and k from one projection shared by the clients (``qk``: ``(C, T,
+    2 H D)``, its bias included) and v from each client's own (``v``: ``(C, T, H D)`` without
+    its bias ``v_bias``: ``(C, H D)``), as in FedFrozen's frozen stages. Returns ``(C, T, H D)``.
+
+    As :func:`qkv_attention`: v's bias is added inside the kernel, its gradient comes out of
+    the backward, and d(qk) is written in the layout of ``qk`` (no concatenation pass).
+    """
+    c, t, hd = v.shape
+    if hd % heads or t % n or qk.shape != (c, t, 2 * hd) or v_bias.shape != (c, hd):
+        raise ValueError(f"qk_v_attention: qk {tuple(qk.shape)}, v {tuple(v.shape)} and bias "
+                         f"{tuple(v_bias.shape)} do not fit {heads} heads over samples of "
+                         f"{n} tokens")
+    _check(n, hd // heads)
+    bias = torch.cat([v_bias.new_zeros(c, 2 * hd), v_bias], dim=1)  # q and k have theirs
+    return _qk_v_op(qk, v, bias, heads, n, causal)[0]
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -73,7 +73,7 @@ from real_data.engines.stacked import stacked_forward
 from real_data.models import CharTransformerConfig, ViTConfig, build_model
 torch.manual_seed(0)
 rel = lambda a, r: float((a.detach().double() - r).abs().max() / r.abs().max())
-out = {"packed": [], "models": []}
+out = {"packed": [], "qk_v": [], "models": []}
 for dt in (torch.float32, torch.float16):
     for C, B, n, H, D, causal in json.loads(sys.argv[1]):
         qkv0 = torch.randn(C, B * n, 3 * H * D, dtype=torch.float64)
@@ -91,6 +91,23 @@ for dt in (torch.float32, torch.float16):
         o2.backward(g)
         out["packed"].append([str(dt), rel(o, o2), rel(qkv.grad, qr.grad),
                               rel(b.grad, br.grad), list(o.stride())])
+        # shared q/k (bias included), the clients' own v and its bias (FedFrozen's frozen stage)
+        hd = H * D
+        qk = qkv0[..., :2 * hd].to(dt).requires_grad_()
+        v = qkv0[..., 2 * hd:].to(dt).requires_grad_()
+        bv = b0[:, 2 * hd:].to(dt).requires_grad_()
+        o = ta.qk_v_attention(qk, v, bv, H, n, causal)
+        o.backward(g.to(dt))
+        qkr = qkv0[..., :2 * hd].to(dt).double().requires_grad_()
+        vr = qkv0[..., 2 * hd:].to(dt).double().requires_grad_()
+        bvr = b0[:, 2 * hd:].to(dt).double().requires_grad_()
+        y = torch.cat([qkr, vr + bvr.unsqueeze(1)], -1)
+        q, k, vv = (y[..., i * hd:(i + 1) * hd].reshape(C * B, n, H, D).transpose(1, 2)
+                    for i in range(3))
+        o2 = F.scaled_dot_product_attention(q, k, vv, is_causal=causal)
+        o2.transpose(1, 2).reshape(C, B * n, hd).backward(g)
+        out["qk_v"].append([str(dt), rel(o, o2.transpose(1, 2).reshape(C, B * n, hd)),
+                            rel(qk.grad, qkr.grad), rel(v.grad, vr.grad), rel(bv.grad, bvr.grad)])
 vit = build_model("vit", ViTConfig(patch=2, dim=16, depth=2, heads=2, mlp_dim=16, image_size=8,
                                    channels=1, num_classes=5), seed=3)
 char = build_model("char_transformer", CharTransformerConfig(dim=16, depth=2, heads=2,
@@ -114,20 +131,23 @@ print(json.dumps(out))
 
 @needs_triton
 def test_interpreted_packed_kernel_and_models_match_sdpa():
-    """The packed q/k/v kernel (bias inside, bias gradient out of the backward) against SDPA on
-    the biased projection; and the models' stacked forward and every parameter's gradient
-    with ``attention="triton"`` against ``"sdpa"`` (fp32), full and with Q/K shared."""
+    """The packed q/k/v kernel (bias inside, bias gradient out of the backward) and the
+    shared-q/k, own-v kernel against SDPA on the biased projections; and the models' stacked
+    forward and every parameter's gradient with ``attention="triton"`` against ``"sdpa"``
+    (fp32), full (the packed kernel) and with Q/K shared (the shared-q/k kernel)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     shapes = [[2, 3, 50, 4, 32, False], [3, 2, 80, 8, 16, True], [2, 2, 7, 2, 5, False]]
     run = subprocess.run([sys.executable, "-c", _PACKED, json.dumps(shapes)], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(out["packed"]) == 6 and len(out["models"]) == 4
+    assert len(out["packed"]) == 6 and len(out["qk_v"]) == 6 and len(out["models"]) == 4
     for dt, e_out, e_qkv, e_bias, stride in out["packed"]:
         tol = 1e-5 if dt == "torch.float32" else 4e-3
         assert max(e_out, e_qkv, e_bias) < tol, (dt, e_out, e_qkv, e_bias)
         assert stride[-1] == 1  # (C, T, H D) with each token's heads side by side
+    for dt, *errs in out["qk_v"]:
+        assert max(errs) < (1e-5 if dt == "torch.float32" else 4e-3), (dt, errs)
     for name, frozen, e_out, e_grad in out["models"]:
         assert e_out < 1e-5 and e_grad < 1e-5, (name, frozen, e_out, e_grad)
 
