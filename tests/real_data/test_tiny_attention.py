@@ -234,6 +234,19 @@ def test_cuda_bf16_packed_matches_sdpa(shape):
     ours = run(lambda x, bb: tiny_attention.qkv_attention(x, bb, h, n, causal), torch.bfloat16)
     flash = run(sdpa, torch.bfloat16)
     _assert_like_flash(ours, flash, exact, ("output", "d qkv", "d bias"))
+    # shared q/k with their bias, the clients' own v with its bias in the kernel: the q/k bias
+    # is zero for the comparison (it sits in the shared GEMM's output)
+    hd = h * d
+    bias[:, :2 * hd] = 0
+
+    def qk_v(x, bb):
+        return tiny_attention.qk_v_attention(x[..., :2 * hd], x[..., 2 * hd:], bb[:, 2 * hd:],
+                                             h, n, causal)
+
+    exact = run(sdpa, torch.float64)
+    ours, flash = run(qk_v, torch.bfloat16), run(sdpa, torch.bfloat16)
+    ours[2], flash[2], exact[2] = (t[:, 2 * hd:] for t in (ours[2], flash[2], exact[2]))
+    _assert_like_flash(ours, flash, exact, ("qk_v output", "qk_v d qkv", "qk_v d v bias"))
 
 
 @pytest.mark.gpu
