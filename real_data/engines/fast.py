@@ -122,8 +122,6 @@ class _Runner:
         # 1. trainable parameters: one (Cc, P) buffer; each parameter a leaf view into it
         self.flat = torch.zeros(cc, sum(self.numel), dtype=dt, device=dev)
         self.views = dict(zip(setup.trainable, self._split(self.flat)))
-        ends = torch.tensor(self.numel).cumsum(0).tolist()
-        self.cols = [slice(e - n, e) for e, n in zip(ends, self.numel)]  # each one's columns
         self.leaves = {n: v.detach().requires_grad_(True) for n, v in self.views.items()}
         spec = setup.spec
         self.m = torch.zeros_like(self.flat) if spec.name == "adam" or spec.momentum else None
@@ -250,33 +248,18 @@ class _Runner:
 
     def _apply(self, grads: list[torch.Tensor], data: torch.Tensor, obj: torch.Tensor,
                on: torch.Tensor, first: torch.Tensor) -> None:
-        """Norm, clipping, weight decay and the update on the flat buffers; loss accounting.
-
-        Eagerly the gradients are concatenated into one ``(Cc, P)`` tensor and updated in a
-        few kernels. Compiled, each parameter's gradient updates its own columns of the flat
-        buffers in place: no concatenated copy is written, and inductor fuses each parameter's
-        update into one kernel.
-        """
+        """Norm, clipping, weight decay and the update on the flat buffers; loss accounting."""
         spec, cc = self.setup.spec, self.cc
-        parts = [t.reshape(cc, -1) for t in grads]
+        g = torch.cat([t.reshape(cc, -1) for t in grads], dim=1)  # (Cc, P)
         # 3. norm before clipping, clipping, weight decay, optimizer update (flat buffers)
-        if self.setup.compile:
-            norms = sum(t.square().sum(1) for t in parts).sqrt().double()
-            cols = self.cols
-        else:
-            parts = [torch.cat(parts, dim=1)]  # (Cc, P)
-            norms = torch.linalg.vector_norm(parts[0], dim=1).double()
-            cols = [slice(None)]
-        coef = None
+        norms = torch.linalg.vector_norm(g, dim=1).double()
         if spec.clip_grad_norm is not None:
-            coef = (spec.clip_grad_norm / (norms + 1e-6)).clamp(max=1.0).unsqueeze(1)
+            coef = (spec.clip_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+            g.mul_(coef.to(g.dtype).unsqueeze(1))
+        if spec.weight_decay:
+            g.add_(self.flat, alpha=spec.weight_decay)
         self.count.add_(on.long())
-        for g, col in zip(parts, cols):
-            if coef is not None:
-                g = g * coef.to(g.dtype)
-            if spec.weight_decay:
-                g = g.add(self.flat[:, col], alpha=spec.weight_decay)
-            self._update(g, on.unsqueeze(1), col)
+        self._update(g, on.unsqueeze(1))
         # 4. loss accounting (clients that finished early add nothing)
         data, obj = data.double(), obj.double()
         acc = self.acc
@@ -287,15 +270,13 @@ class _Runner:
         acc["glast"].copy_(torch.where(on, norms, acc["glast"]))
         self.s.add_(1)
 
-    def _update(self, g: torch.Tensor, on: torch.Tensor, col: slice) -> None:
-        """SGD (heavy ball) or Adam on the columns ``col`` of the flat buffers; idle clients
-        keep parameters and state.
+    def _update(self, g: torch.Tensor, on: torch.Tensor) -> None:
+        """SGD (heavy ball) or Adam on the flat buffer; idle clients keep parameters and state.
 
         The formulas are ``torch.optim``'s. The momentum buffer starts at zero, so its first
         value ``0 * mu + g`` is ``g`` exactly, as SGD's clone of the first gradient.
         """
-        spec, p = self.setup.spec, self.flat[:, col]
-        m = self.m[:, col] if self.m is not None else None
+        spec, p = self.setup.spec, self.flat
         if self.setup.ragged:  # new values first, then kept only for the active clients
             def assign(dst: torch.Tensor, new: torch.Tensor) -> None:
                 dst.copy_(torch.where(on, new, dst))
@@ -305,23 +286,22 @@ class _Runner:
         if spec.name == "sgd":
             if spec.momentum:
                 if self.setup.ragged:
-                    assign(m, m.mul(spec.momentum).add(g))
+                    assign(self.m, self.m.mul(spec.momentum).add(g))
                 else:
-                    m.mul_(spec.momentum).add_(g)
-                g = m
+                    self.m.mul_(spec.momentum).add_(g)
+                g = self.m
             if self.setup.ragged:
                 assign(p, p.add(g, alpha=-spec.lr))
             else:
                 p.add_(g, alpha=-spec.lr)
             return
-        v = self.v[:, col]
         b1, b2 = spec.betas
-        assign(m, m.lerp(g, 1 - b1))
-        assign(v, v.mul(b2).addcmul(g, g, value=1 - b2))
+        assign(self.m, self.m.lerp(g, 1 - b1))
+        assign(self.v, self.v.mul(b2).addcmul(g, g, value=1 - b2))
         t = self.count.double()
         step_size = (spec.lr / (1 - b1**t)).to(p.dtype).unsqueeze(1)
         bc2_sqrt = (1 - b2**t).sqrt().to(p.dtype).unsqueeze(1)
-        assign(p, p - step_size * m / (v.sqrt() / bc2_sqrt + spec.eps))
+        assign(p, p - step_size * self.m / (self.v.sqrt() / bc2_sqrt + spec.eps))
 
 
 def _setup(job: LocalJob, graphs: bool, compile: bool | str,
