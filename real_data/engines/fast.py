@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import vmap
 
+from real_data.engines import flat_update
 from real_data.engines.base import ClientResults, LocalJob
 from real_data.engines.stacked import stacked_forward
 from real_data.engines.stacked import supports as model_supported
@@ -149,6 +150,12 @@ class _Runner:
         # fused kernels over the (Cc, P) buffers when compiled, about twenty eagerly
         self.apply_fn = (torch.compile(self._apply, dynamic=False) if setup.compile
                          else self._apply)
+        # captured SGD on CUDA: the update reads each gradient in place (two Triton kernels)
+        self.sgd = (flat_update.FlatSGD(self.numel, self.flat, self.m, setup.spec, setup.ragged)
+                    if setup.graphs and flat_update.usable(self.flat, setup.spec) else None)
+        self.account_fn = (torch.compile(self._account, dynamic=False) if setup.compile
+                           else self._account)
+        self._rows: list = []
         self.graph: torch.cuda.CUDAGraph | None = None
         self.eager = False
 
@@ -204,6 +211,7 @@ class _Runner:
         collector at any later moment, possibly while another graph is being captured, which
         invalidates that capture ("operation not permitted when stream is capturing")."""
         self.graph, self.job, self.loss_fn, self.apply_fn = None, None, None, None
+        self.account_fn, self.sgd, self._rows = None, None, []
 
     def _capture(self) -> None:
         """Warm up on a side stream (allocator, cuBLAS, compilation), then capture one step."""
@@ -244,7 +252,11 @@ class _Runner:
         else:
             obj = data + setup.regularizer
         grads = torch.autograd.grad(obj.sum(), list(self.leaves.values()))
-        self.apply_fn(list(grads), data.detach(), obj.detach(), on, first)
+        if self.sgd is not None:
+            norms, self._rows = self.sgd.step(list(grads), on)
+            self.account_fn(norms.double(), data.detach(), obj.detach(), on, first)
+        else:
+            self.apply_fn(list(grads), data.detach(), obj.detach(), on, first)
 
     def _apply(self, grads: list[torch.Tensor], data: torch.Tensor, obj: torch.Tensor,
                on: torch.Tensor, first: torch.Tensor) -> None:
@@ -258,9 +270,13 @@ class _Runner:
             g.mul_(coef.to(g.dtype).unsqueeze(1))
         if spec.weight_decay:
             g.add_(self.flat, alpha=spec.weight_decay)
-        self.count.add_(on.long())
+        self.count.add_(on.long())  # Adam's step count, before its update
         self._update(g, on.unsqueeze(1))
-        # 4. loss accounting (clients that finished early add nothing)
+        self._account(norms, data, obj, on, first)
+
+    def _account(self, norms: torch.Tensor, data: torch.Tensor, obj: torch.Tensor,
+                 on: torch.Tensor, first: torch.Tensor) -> None:
+        """4. Loss accounting (clients that finished early add nothing)."""
         data, obj = data.double(), obj.double()
         acc = self.acc
         acc["loss"].add_(torch.where(on, data, 0.0))
