@@ -75,6 +75,9 @@ ENGINES: dict[str, Callable] = {
     # the same without folding the LayerNorms' per-client affine into the next linears
     "fast_compile_nofold": functools.partial(fast.train_fast, graphs=True, compile=True,
                                              fold_norms=False),
+    # the same with the update over the concatenated gradients (no flat_update.FlatSGD)
+    "fast_compile_torchupdate": functools.partial(fast.train_fast, graphs=True, compile=True,
+                                                  triton_update=False),
     "fast_compile_sdpa": functools.partial(fast.train_fast, graphs=True, compile=True,
                                            attention="sdpa"),
     # Triton GEMMs with fused epilogues where inductor's autotuning finds them faster

@@ -81,6 +81,7 @@ class _Setup:
     compile: bool | str  # False, True (default mode) or a torch.compile mode
     attention: str
     fold_norms: bool = True
+    triton_update: bool = True
 
 
 def _allow_recompiles(limit: int = 256) -> None:
@@ -152,7 +153,8 @@ class _Runner:
                          else self._apply)
         # captured SGD on CUDA: the update reads each gradient in place (two Triton kernels)
         self.sgd = (flat_update.FlatSGD(self.numel, self.flat, self.m, setup.spec, setup.ragged)
-                    if setup.graphs and flat_update.usable(self.flat, setup.spec) else None)
+                    if setup.graphs and setup.triton_update
+                    and flat_update.usable(self.flat, setup.spec) else None)
         self.account_fn = (torch.compile(self._account, dynamic=False) if setup.compile
                            else self._account)
         self._rows: list = []
@@ -320,8 +322,8 @@ class _Runner:
         assign(p, p - step_size * self.m / (self.v.sqrt() / bc2_sqrt + spec.eps))
 
 
-def _setup(job: LocalJob, graphs: bool, compile: bool | str,
-           attention: str = "auto", fold_norms: bool = True) -> _Setup:
+def _setup(job: LocalJob, graphs: bool, compile: bool | str, attention: str = "auto",
+           fold_norms: bool = True, triton_update: bool = True) -> _Setup:
     fixed = [n for n in job.global_params if n not in job.trainable]
     reg = _regularizer_kind(job)
     dev = job.x.device
@@ -342,6 +344,7 @@ def _setup(job: LocalJob, graphs: bool, compile: bool | str,
         compile=compile,
         attention=attention,
         fold_norms=fold_norms,
+        triton_update=triton_update,
     )
 
 
@@ -385,7 +388,8 @@ def _runner(job: LocalJob, setup: _Setup, cc: int) -> _Runner:
 
 
 def train_fast(job: LocalJob, graphs: bool = True, compile: bool | str = False,
-               attention: str = "auto", fold_norms: bool = True) -> ClientResults:
+               attention: str = "auto", fold_norms: bool = True,
+               triton_update: bool = True) -> ClientResults:
     """Train the round's clients with the fast path (see the module docstring).
 
     Parameters
@@ -405,8 +409,11 @@ def train_fast(job: LocalJob, graphs: bool = True, compile: bool | str = False,
     fold_norms : bool
         Fold each LayerNorm's per-client affine into the next linears' weights where they
         are all trained (the same function; see :meth:`stacked._Net.layer_norm`).
+    triton_update : bool
+        In a captured SGD step on CUDA, update through :class:`flat_update.FlatSGD` (the
+        gradients read in place) instead of concatenating them first.
     """
-    setup = _setup(job, graphs, compile, attention, fold_norms)
+    setup = _setup(job, graphs, compile, attention, fold_norms, triton_update)
     n_clients = len(job.client_ids)
     dev = job.x.device
     cc = _max_chunk(job, setup, n_clients)
