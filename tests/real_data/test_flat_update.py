@@ -32,7 +32,8 @@ for spec, ragged in SPECS:
     flat = torch.randn(cc, sum(numel))
     m = torch.randn(cc, sum(numel)) if spec.momentum else None
     grads = [torch.randn(cc, *s) for s in shapes]
-    grads[1] = torch.randn(cc, 3, 7).transpose(1, 2)  # non-contiguous, as a GEMM's weight grad
+    grads[1] = torch.randn(cc, 3, 7).transpose(1, 2)  # transposed, as a GEMM's weight grad
+    grads[2] = torch.randn(cc, 4, 6, 4)[..., ::2]  # another layout: copied first
     on = torch.tensor([True, False, True]) if ragged else torch.ones(cc, dtype=torch.bool)
     # reference: the generic path's formulas
     g = torch.cat([t.reshape(cc, -1) for t in grads], 1).double()
@@ -51,7 +52,7 @@ for spec, ragged in SPECS:
     norms, _ = sgd.step(grads, on)
     rel = lambda a, b: float((a.double() - b).abs().max() / b.abs().max())
     out.append([rel(norms, norms_ref), rel(flat, p_ref), rel(m, m_ref) if m is not None else 0.0,
-                sgd.nb])
+                sgd.nb, len(sgd.tseg), list(sgd._layouts)])
 print(json.dumps(out))
 """
 
@@ -60,13 +61,15 @@ print(json.dumps(out))
 def test_interpreted_flat_sgd_matches_the_formulas():
     """Clipping, weight decay, momentum and idle clients (ragged); without momentum; with a
     clip that never binds. A 5000-element parameter spans two blocks of 4096; one gradient is
-    a transposed (non-contiguous) tensor, as a GEMM's weight gradient may be."""
+    stored transposed, as a GEMM's weight gradient may be (read in place by the tile kernel),
+    one in another strided layout (copied row-major first)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads(run.stdout.strip().splitlines()[-1])
     assert len(rows) == 3
-    for e_norm, e_param, e_mom, blocks in rows:
-        assert blocks == 5  # 2 + 1 + 1 + 1
+    for e_norm, e_param, e_mom, blocks, tiles, layouts in rows:
+        assert blocks == 5 and tiles == 1  # 2 + 1 + 1 + 1 blocks; the 7 x 3 one in a tile
+        assert layouts == ["rows", "t", "rows", "rows"]
         assert max(e_norm, e_param, e_mom) < 1e-6, (e_norm, e_param, e_mom)
