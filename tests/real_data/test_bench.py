@@ -68,3 +68,19 @@ def test_render_markdown_table(tiny, tmp_path, capsys):
     table = capsys.readouterr().out.strip().splitlines()
     assert table[0].startswith("| model |") and len(table) == 3
     assert table[2].startswith("| vit | fp32 | full | 2 |")
+
+
+def test_timeline_counts_idle_gaps_and_names_their_neighbours():
+    timeline = bench.timeline
+    ev = [{"cat": "kernel", "name": "a", "ts": 0, "dur": 10},
+          {"cat": "kernel", "name": "b", "ts": 5, "dur": 10},  # overlaps a: no gap
+          {"cat": "gpu_memcpy", "name": "copy", "ts": 100, "dur": 50},
+          {"cat": "kernel", "name": "c", "ts": 160, "dur": 40},
+          {"cat": "cpu_op", "name": "aten::slow", "ts": 20, "dur": 70}]
+    text = timeline({"traceEvents": ev})
+    # span 200 us, busy 15 + 50 + 40 = 105, idle 95 in two gaps (85 and 10 us)
+    assert "GPU span 0.20 ms, kernels/copies 0.10 ms, idle 0.10 ms (2 gaps" in text
+    lines = text.splitlines()
+    assert "85.0" in lines[2] and "b -> copy" in lines[2] and "aten::slow" in lines[2]
+    assert "10.0" in lines[3] and "copy -> c" in lines[3]
+    assert timeline({"traceEvents": []}) == "timeline: no GPU events"
