@@ -100,7 +100,8 @@ def _stack(plans: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     steps = np.array([len(p) for p in plans], dtype=np.int64)
     s_max = int(steps.max())
     if (steps == s_max).all():  # every client takes the same number of steps
-        return np.stack(plans), np.ones((len(plans), s_max), dtype=bool), steps
+        return (np.stack(plans).astype(np.int64, copy=False),
+                np.ones((len(plans), s_max), dtype=bool), steps)
     idx = np.empty((len(plans), s_max, plans[0].shape[1]), dtype=np.int64)
     active = np.zeros((len(plans), s_max), dtype=bool)
     for c, (plan, s) in enumerate(zip(plans, steps)):
@@ -168,12 +169,16 @@ class BatchPlanner:
     def plan(self, client_ids: np.ndarray, rnd: int) -> Batches:
         """The plan of ``client_ids`` in round ``rnd``, as :func:`make_batches`."""
         ready: dict[int, np.ndarray] = {}
-        if self._ahead is not None and self._ahead[0] == rnd:
-            ready, stacked = self._ahead[2].result()
-            if np.array_equal(self._ahead[1], client_ids):  # the clients drawn ahead, in order
+        ahead, self._ahead = self._ahead, None  # used once
+        if ahead is not None and ahead[0] == rnd:
+            try:
+                ready, stacked = ahead[2].result()
+            except Exception:  # noqa: BLE001 - e.g. a client without samples: drawn below
+                ready, stacked = {}, None
+            if stacked is not None and np.array_equal(ahead[1], client_ids):
                 return _to_batches(stacked, self.device)
-        elif self._ahead is not None and self._ahead[0] < rnd:
-            self._ahead = None
+        elif ahead is not None and ahead[0] > rnd:
+            self._ahead = ahead  # a later round's, still to come
         train_idx, seed, b, steps, epochs = self._args
         plans = [ready[int(m)] if int(m) in ready else
                  _draw_plan(train_idx, int(m), seed, rnd, b, steps, epochs) for m in client_ids]

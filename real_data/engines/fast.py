@@ -199,6 +199,7 @@ class _Runner:
                 warnings.warn(f"CUDA graph capture failed, stepping eagerly: {exc}",
                               stacklevel=2)
                 self.graph, self.eager = None, True
+                self.sgd = None  # eagerly its address table would sync every step
                 torch.cuda.synchronize()
             self.load(job, rows)  # the warm-up steps changed the buffers
         for _ in range(steps):

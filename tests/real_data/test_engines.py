@@ -93,6 +93,19 @@ def test_planner_drawn_ahead_equals_make_batches(digits, steps, epochs):
         assert planner.plan(np.array([1]), 4).idx.shape[0] == 1
         if epochs:
             assert len(set(ref(ahead, 4).steps.tolist())) > 1
+        assert ref(ahead, 4).idx.dtype == planner.plan(ahead, 4).idx.dtype == torch.int64
+    finally:
+        planner.close()
+
+
+def test_planner_falls_back_when_the_draw_ahead_failed(digits):
+    part = random_partition(digits, 4, seed=0)
+    train = (part.train[0], part.train[1][:0], part.train[2], part.train[3])  # client 1: empty
+    planner = BatchPlanner(train, 7, 8, 3, None)
+    try:
+        planner.prefetch(np.array([0, 1, 2]), 2)  # fails in the thread (no samples)
+        ids = np.array([0, 2, 3])
+        assert _same(planner.plan(ids, 2), make_batches(train, ids, 7, 2, 8, 3, None))
     finally:
         planner.close()
 
@@ -106,7 +119,7 @@ def test_federation_draws_the_next_rounds_plan_ahead(digits):
     assert rnd == 2 and ahead.tolist() == ids.tolist()
     assert sorted(future.result()[0]) == ids.tolist()
     fed.run_round(state, 2)
-    assert fed.planner._ahead[0] == 2  # nothing drawn past the last round
+    assert fed.planner._ahead is None  # used, and nothing drawn past the last round
     fed.planner.close()
 
 
