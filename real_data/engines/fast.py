@@ -9,7 +9,9 @@ sequential reference), organised for a GPU:
    every client's own gradient (clients share no trainable tensor), so one ``autograd.grad``
    replaces ``vmap(grad(...))``.
 3. The trainable parameters of a chunk of clients live in one ``(Cc, P)`` buffer; the gradient
-   norm, clipping, weight decay and the SGD / Adam update are a handful of kernels over it.
+   norm, clipping, weight decay and the SGD / Adam update are a handful of kernels over it. A
+   captured SGD step on CUDA runs :class:`~real_data.engines.flat_update.FlatSGD` instead,
+   which reads each parameter's gradient in place rather than concatenating them.
 4. On CUDA one local step (minibatch gather, forward, backward, optimizer, loss accounting) is
    captured once as a CUDA graph and replayed ``S`` times per chunk, so a step costs one launch
    whatever the number of clients; the step index lives on the device.
@@ -86,9 +88,9 @@ class _Setup:
 
 def _allow_recompiles(limit: int = 256) -> None:
     """Let dynamo keep a compiled version per runner: its recompile limit (8 by default)
-    counts the versions of one function, and every runner compiles ``_Runner._loss`` and
-    ``_Runner._apply`` for its own chunk size, trainable set and model; past the limit dynamo
-    would silently run them eagerly."""
+    counts the versions of one function, and every runner compiles ``_Runner._loss``,
+    ``_Runner._apply`` and ``_Runner._account`` for its own chunk size, trainable set and
+    model; past the limit dynamo would silently run them eagerly."""
     cfg = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):  # the name changed in torch 2.6
         if hasattr(cfg, name) and getattr(cfg, name) < limit:
@@ -143,7 +145,7 @@ class _Runner:
         self.acc = {k: torch.zeros(cc, dtype=torch.float64, device=dev)
                     for k in ("loss", "obj", "first", "gfirst", "glast")}
         mode = setup.compile if isinstance(setup.compile, str) else None
-        if setup.compile:  # every runner compiles the same two methods for its own shapes
+        if setup.compile:  # every runner compiles the same methods for its own shapes
             _allow_recompiles()
         self.loss_fn = (torch.compile(self._loss, dynamic=False, mode=mode) if setup.compile
                         else self._loss)

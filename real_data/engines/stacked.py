@@ -8,9 +8,12 @@ value per client) or *shared* ``(*shape)`` (one value for all, e.g. frozen Q/K).
 - a stacked linear is one ``baddbmm`` over clients, ``(C, T, in) @ (C, in, out)`` with T = B N
   tokens per client; q, k and v stacked together become one GEMM of width 3d;
 - a shared linear is one plain GEMM over all C T tokens (frozen Q/K cost one large GEMM);
+- a LayerNorm whose per-client affine feeds only the clients' own linears leaves the affine to
+  be folded into their weights (``fold_norms``, :meth:`_Net.layer_norm`);
 - softmax attention holds no weights, so clients and samples fold into one batch of
   ``(C B, h, N, d_h)``: on CUDA in fp16/bf16 with N <= 128 it is the one-tile Triton kernel of
-  :mod:`real_data.engines.tiny_attention` (``attention="auto"``), otherwise (or with
+  :mod:`real_data.engines.tiny_attention` (``attention="auto"``; reading the q/k/v GEMM output
+  directly, whether all three are the clients' own or q/k are shared), otherwise (or with
   ``attention="sdpa"``) ``scaled_dot_product_attention`` (flash / memory-efficient kernels);
   linear attention is written out as in the model.
 

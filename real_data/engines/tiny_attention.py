@@ -261,18 +261,35 @@ def _split(qkv: torch.Tensor, heads: int, n: int) -> list[torch.Tensor]:
     return _heads(qkv, heads, n, 3)
 
 
+def _packed_fwd(q, k, v, bias: torch.Tensor, out: torch.Tensor, heads: int, n: int,
+                causal: bool) -> torch.Tensor:
+    """Forward of the packed ops: q, k, v as (C T / n, H, n, D) views, ``bias`` (C, 3 H D)
+    added in the kernel, the output written into ``out`` (C, T, H D); returns the lse."""
+    c, t, hd = out.shape
+    (o,) = _heads(out, heads, n, 1)
+    return _launch_fwd(q, k, v, bias, bias[:, hd:], bias[:, 2 * hd:], bias.stride(0), t // n,
+                       o, causal)
+
+
+def _packed_bwd(q, k, v, dq, dk, dv, bias: torch.Tensor, out: torch.Tensor,
+                dout: torch.Tensor, lse: torch.Tensor, heads: int, n: int,
+                causal: bool) -> torch.Tensor:
+    """Backward of the packed ops into the views dq, dk, dv; returns the bias gradient."""
+    c, t, hd = out.shape
+    part = torch.empty(c * t // n, 3 * hd, dtype=torch.float32, device=out.device)
+    _launch_bwd(q, k, v, bias, bias[:, hd:], bias[:, 2 * hd:], bias.stride(0), t // n,
+                _heads(out, heads, n, 1)[0], _heads(dout, heads, n, 1)[0], lse, dq, dk, dv,
+                part, causal)
+    return part.view(c, t // n, 3 * hd).sum(1).to(bias.dtype)
+
+
 @torch.library.custom_op("linattn::tiny_qkv_attention", mutates_args=())
 def _qkv_op(qkv: torch.Tensor, bias: torch.Tensor, heads: int, n: int,
             causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     qkv, bias = qkv.contiguous(), bias.contiguous()
     c, t, three_hd = qkv.shape
-    hd = three_hd // 3
-    q, k, v = _split(qkv, heads, n)
-    out = qkv.new_empty(c, t, hd)
-    o = out.view(c * t // n, n, heads, hd // heads).transpose(1, 2)
-    lse = _launch_fwd(q, k, v, bias, bias[:, hd:], bias[:, 2 * hd:], bias.stride(0), t // n, o,
-                      causal)
-    return out, lse
+    out = qkv.new_empty(c, t, three_hd // 3)
+    return out, _packed_fwd(*_split(qkv, heads, n), bias, out, heads, n, causal)
 
 
 @_qkv_op.register_fake
@@ -287,16 +304,9 @@ def _qkv_backward_op(qkv: torch.Tensor, bias: torch.Tensor, out: torch.Tensor,
                      dout: torch.Tensor, lse: torch.Tensor, heads: int, n: int,
                      causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     qkv, bias, out, dout = (t.contiguous() for t in (qkv, bias, out, dout))
-    c, t, three_hd = qkv.shape
-    hd = three_hd // 3
-    q, k, v = _split(qkv, heads, n)
-    view = lambda x: x.view(c * t // n, n, heads, hd // heads).transpose(1, 2)  # noqa: E731
     dqkv = torch.empty_like(qkv)
-    dq, dk, dv = _split(dqkv, heads, n)
-    part = torch.empty(c * t // n, three_hd, dtype=torch.float32, device=qkv.device)
-    _launch_bwd(q, k, v, bias, bias[:, hd:], bias[:, 2 * hd:], bias.stride(0), t // n,
-                view(out), view(dout), lse, dq, dk, dv, part, causal)
-    dbias = part.view(c, t // n, three_hd).sum(1).to(bias.dtype)
+    dbias = _packed_bwd(*_split(qkv, heads, n), *_split(dqkv, heads, n), bias, out, dout, lse,
+                        heads, n, causal)
     return dqkv, dbias
 
 
@@ -326,14 +336,9 @@ _qkv_op.register_autograd(_qkv_backward, setup_context=_qkv_setup_context)
 def _qk_v_op(qk: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, heads: int, n: int,
              causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     qk, v, bias = qk.contiguous(), v.contiguous(), bias.contiguous()
-    c, t, hd = v.shape
-    q, k = _heads(qk, heads, n, 2)
-    (vv,) = _heads(v, heads, n, 1)
-    out = v.new_empty(c, t, hd)
-    (o,) = _heads(out, heads, n, 1)
-    lse = _launch_fwd(q, k, vv, bias, bias[:, hd:], bias[:, 2 * hd:], bias.stride(0), t // n,
-                      o, causal)
-    return out, lse
+    out = torch.empty_like(v)
+    return out, _packed_fwd(*_heads(qk, heads, n, 2), *_heads(v, heads, n, 1), bias, out,
+                            heads, n, causal)
 
 
 @_qk_v_op.register_fake
@@ -347,17 +352,10 @@ def _qk_v_backward_op(qk: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, out
                       dout: torch.Tensor, lse: torch.Tensor, heads: int, n: int,
                       causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     qk, v, bias, out, dout = (t.contiguous() for t in (qk, v, bias, out, dout))
-    c, t, hd = v.shape
-    q, k = _heads(qk, heads, n, 2)
-    (vv,) = _heads(v, heads, n, 1)
     dqk, dv = torch.empty_like(qk), torch.empty_like(v)
-    dq, dk = _heads(dqk, heads, n, 2)
-    (dvv,) = _heads(dv, heads, n, 1)
-    part = torch.empty(c * t // n, 3 * hd, dtype=torch.float32, device=v.device)
-    _launch_bwd(q, k, vv, bias, bias[:, hd:], bias[:, 2 * hd:], bias.stride(0), t // n,
-                _heads(out, heads, n, 1)[0], _heads(dout, heads, n, 1)[0], lse, dq, dk, dvv,
-                part, causal)
-    dbias = part.view(c, t // n, 3 * hd).sum(1).to(bias.dtype)
+    dbias = _packed_bwd(*_heads(qk, heads, n, 2), *_heads(v, heads, n, 1),
+                        *_heads(dqk, heads, n, 2), *_heads(dv, heads, n, 1), bias, out, dout,
+                        lse, heads, n, causal)
     return dqk, dv, dbias
 
 
