@@ -13,7 +13,9 @@ output of the q/k/v GEMM and its bias, as the stacked forward has them:
   ``BWD_WARPS`` backward).
 
 Median of CUDA-event timings after warm-up; one JSON row per (model, variant).
-Usage: ``python -m real_data.scripts.bench_attention [--warps 2,4,8] [--out FILE]``.
+With ``--sweep``, the packed kernel alone over warps, (sample, head) tiles per program and
+pipeline stages of its loop, forward and backward, and the backward's two ways to its row sums.
+Usage: ``python -m real_data.scripts.bench_attention [--warps 2,4,8] [--sweep] [--out FILE]``.
 """
 
 from __future__ import annotations
@@ -89,14 +91,73 @@ def _bench(name: str, shape: tuple, warps_list: list[int], repeats: int) -> list
     return rows
 
 
+def _set(bn: int, cfg: dict) -> None:
+    ta = tiny_attention
+    ta.WARPS[bn], ta.TILES[bn], ta.STAGES[bn] = cfg["fwd"]
+    ta.BWD_WARPS[bn], ta.BWD_TILES[bn], ta.BWD_STAGES[bn] = cfg["bwd"]
+    ta.DELTA_FROM_P = cfg["delta_from_p"]
+
+
+def _sweep(name: str, shape: tuple, repeats: int) -> list[dict]:
+    """The packed kernel at each (warps, tiles per program, pipeline stages): the forward's
+    settings timed on the forward, the backward's on forward + backward with the default
+    forward; the backward's delta read from O or taken from P."""
+    c, b, n, h, d, causal = shape
+    dev = torch.device("cuda")
+    qkv = torch.randn(c, b * n, 3 * h * d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    bias = torch.randn(c, 3 * h * d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(c, b * n, h * d, device=dev, dtype=torch.bfloat16)
+    ta = tiny_attention
+    bn = max(16, 1 << (n - 1).bit_length())
+    default = {"fwd": (ta.WARPS[bn], ta.TILES[bn], ta.STAGES[bn]),
+               "bwd": (ta.BWD_WARPS[bn], ta.BWD_TILES[bn], ta.BWD_STAGES[bn]),
+               "delta_from_p": ta.DELTA_FROM_P}
+    grid = [(w, t, s) for w in (2, 4, 8) for t in (1, 2, 4, 8) for s in ((1,) if t == 1
+                                                                        else (1, 2, 3))]
+
+    def packed():
+        return tiny_attention.qkv_attention(qkv, bias, h, n, causal)
+
+    rows = []
+    cases = [("default", default)]
+    cases += [("fwd", {**default, "fwd": c}) for c in grid if c[0] != 8]
+    cases += [("bwd", {**default, "bwd": c}) for c in grid]
+    cases += [("delta_from_o", {**default, "delta_from_p": False})]
+    for part, cfg in cases:
+        _set(bn, cfg)
+        try:
+            fwd = _time(packed, repeats)
+            both = _time(lambda: packed().backward(g), repeats) if part != "fwd" else None
+        except Exception as e:  # noqa: BLE001 - a config Triton cannot build is a result
+            print(f"{name} {part} {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
+        finally:
+            _set(bn, default)
+        rows.append({"model": name, "part": part, "config": {k: list(v) if isinstance(v, tuple)
+                                                             else v for k, v in cfg.items()},
+                     "shape": list(shape), "fwd_ms": fwd * 1e3,
+                     "fwd_bwd_ms": None if both is None else both * 1e3})
+        print(f"{name:5s} {part:12s} fwd {cfg['fwd']} bwd {cfg['bwd']} "
+              f"delta_p {cfg['delta_from_p']}: fwd {fwd * 1e3:7.3f} ms"
+              + ("" if both is None else f"  fwd+bwd {both * 1e3:7.3f} ms"), flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--warps", default="2,4,8")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--sweep", action="store_true",
+                    help="time the packed kernel over warps, tiles per program and pipeline "
+                         "stages instead")
     args = ap.parse_args(argv)
     warps = [int(x) for x in args.warps.split(",")]
-    rows = [r for name, shape in SHAPES.items() for r in _bench(name, shape, warps, args.repeats)]
+    if args.sweep:
+        rows = [r for name, shape in SHAPES.items() for r in _sweep(name, shape, args.repeats)]
+    else:
+        rows = [r for name, shape in SHAPES.items()
+                for r in _bench(name, shape, warps, args.repeats)]
     if args.out:
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(),
                                         "torch": torch.__version__, "rows": rows}, indent=1))
