@@ -55,24 +55,15 @@ def packed_usable(x: torch.Tensor, dtype: torch.dtype, n: int, d: int) -> bool:
 # (64) forward 2, backward 4; the character model's (128) forward 4, backward 2
 WARPS = {16: 4, 32: 4, 64: 2, 128: 4}
 BWD_WARPS = {16: 4, 32: 4, 64: 4, 128: 2}
-# (sample, head) tiles per program, looped over with loads pipelined ``STAGES`` deep (1: one
-# tile per program, no loop pipelining), by tile size, forward and backward
-TILES = {16: 1, 32: 1, 64: 1, 128: 1}
-BWD_TILES = {16: 1, 32: 1, 64: 1, 128: 1}
-STAGES = {16: 1, 32: 1, 64: 1, 128: 1}
-BWD_STAGES = {16: 1, 32: 1, 64: 1, 128: 1}
 # the backward's row sums delta = rowsum(dO * O) taken as rowsum(P * dP) (equal in exact
 # arithmetic: both are dO . sum_j P_j v_j), so O is not read
 DELTA_FROM_P = True
 
 
-def _blocks(n: int, d: int, backward: bool = False) -> tuple[int, int, int, int, int]:
-    """Tile sizes (BN, BD), warps, tiles per program and pipeline stages."""
+def _blocks(n: int, d: int, backward: bool = False) -> tuple[int, int, int]:
     bn = max(16, triton.next_power_of_2(n))
     bd = max(16, triton.next_power_of_2(d))
-    if backward:
-        return bn, bd, BWD_WARPS[bn], BWD_TILES[bn], BWD_STAGES[bn]
-    return bn, bd, WARPS[bn], TILES[bn], STAGES[bn]
+    return bn, bd, (BWD_WARPS if backward else WARPS)[bn]
 
 
 if triton is not None:
@@ -95,18 +86,18 @@ if triton is not None:
         return q, k, v
 
     @triton.jit
-    def _tile(Q, K, V, BQ, BK, BV, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sbc, pid,
-              TOTAL, H, N, D, BPC, scale, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-              BN: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):
-        """Tile ``pid`` (sample b, head h; none past ``TOTAL``): its row/column indices and
-        masks, q, k, v, the scaled scores q k^T and which of them count."""
+    def _tile(Q, K, V, BQ, BK, BV, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sbc, H, N, D,
+              BPC, scale, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr,
+              BD: tl.constexpr, PREC: tl.constexpr):
+        """This program's (sample b, head h), its row/column indices and masks, q, k, v, the
+        scaled scores q k^T and which of them count."""
+        pid = tl.program_id(0).to(tl.int64)
         b = pid // H
         h = pid % H
         n = tl.arange(0, BN)
         d = tl.arange(0, BD)
-        live = pid < TOTAL
-        mn = (n < N) & live
-        md = (d < D) & live
+        mn = n < N
+        md = d < D
         m2 = mn[:, None] & md[None, :]
         q, k, v = _load_qkv(Q, K, V, BQ, BK, BV, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn,
                             sbc, b, h, n, d, m2, md, BPC, D, HAS_BIAS)
@@ -119,69 +110,63 @@ if triton is not None:
     @triton.jit
     def _fwd_kernel(Q, K, V, BQ, BK, BV, O, L,
                     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sbc, sob, soh, son,
-                    TOTAL, H, N, D, BPC, scale,
+                    H, N, D, BPC, scale,
                     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr,
-                    BD: tl.constexpr, PREC: tl.constexpr, G: tl.constexpr,
-                    STAGES: tl.constexpr):
-        first = tl.program_id(0).to(tl.int64) * G
-        for i in tl.range(0, G, num_stages=STAGES):
-            pid, b, h, n, d, mn, md, m2, q, k, v, s, valid = _tile(
-                Q, K, V, BQ, BK, BV, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sbc, first + i,
-                TOTAL, H, N, D, BPC, scale, CAUSAL, HAS_BIAS, BN, BD, PREC)
-            s = tl.where(valid, s, float("-inf"))
-            mx = tl.max(s, 1)
-            p = tl.exp(s - mx[:, None])
-            den = tl.sum(p, 1)
-            p = p / den[:, None]
-            o = tl.dot(p.to(v.dtype), v, input_precision=PREC)
-            tl.store(O + b * sob + h * soh + n[:, None] * son + d[None, :],
-                     o.to(O.dtype.element_ty), mask=m2)
-            tl.store(L + pid * N + n, mx + tl.log(den), mask=mn)
+                    BD: tl.constexpr, PREC: tl.constexpr):
+        pid, b, h, n, d, mn, md, m2, q, k, v, s, valid = _tile(
+            Q, K, V, BQ, BK, BV, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sbc, H, N, D, BPC,
+            scale, CAUSAL, HAS_BIAS, BN, BD, PREC)
+        s = tl.where(valid, s, float("-inf"))
+        mx = tl.max(s, 1)
+        p = tl.exp(s - mx[:, None])
+        den = tl.sum(p, 1)
+        p = p / den[:, None]
+        o = tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        tl.store(O + b * sob + h * soh + n[:, None] * son + d[None, :],
+                 o.to(O.dtype.element_ty), mask=m2)
+        tl.store(L + pid * N + n, mx + tl.log(den), mask=mn)
 
     @triton.jit
     def _bwd_kernel(Q, K, V, BQ, BK, BV, O, DO, L, DQ, DK, DV, DB,
                     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sbc, sob, soh, son,
                     sgb, sgh, sgn, srb, srh, srn, swb, swh, swn, sdb,
-                    TOTAL, H, N, D, BPC, scale,
+                    H, N, D, BPC, scale,
                     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr,
-                    BD: tl.constexpr, PREC: tl.constexpr, G: tl.constexpr,
-                    STAGES: tl.constexpr, DELTA_FROM_P: tl.constexpr):
+                    BD: tl.constexpr, PREC: tl.constexpr, DELTA_FROM_P: tl.constexpr):
         # DO has strides sg*; DQ and DK share the strides sr*, DV has sw*; with HAS_BIAS, DB
         # gets the sample's bias gradient (dq, dk, dv summed over its tokens), one row of
         # 3 H D per sample; with DELTA_FROM_P, O is not read
-        first = tl.program_id(0).to(tl.int64) * G
-        for i in tl.range(0, G, num_stages=STAGES):
-            pid, b, h, n, d, mn, md, m2, q, k, v, s, valid = _tile(
-                Q, K, V, BQ, BK, BV, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sbc, first + i,
-                TOTAL, H, N, D, BPC, scale, CAUSAL, HAS_BIAS, BN, BD, PREC)
-            do = tl.load(DO + b * sgb + h * sgh + n[:, None] * sgn + d[None, :], mask=m2,
-                         other=0.0)
-            lse = tl.load(L + pid * N + n, mask=mn, other=0.0)
-            p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
-            dv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
-            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-            if DELTA_FROM_P:
-                delta = tl.sum(p * dp, 1)
-            else:
-                o = tl.load(O + b * sob + h * soh + n[:, None] * son + d[None, :], mask=m2,
-                            other=0.0)
-                delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-            ds = p * (dp - delta[:, None])
-            dq = tl.dot(ds.to(k.dtype), k, input_precision=PREC) * scale
-            dk = tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC) * scale
-            offr = b * srb + h * srh + n[:, None] * srn + d[None, :]
-            tl.store(DQ + offr, dq.to(DQ.dtype.element_ty), mask=m2)
-            tl.store(DK + offr, dk.to(DK.dtype.element_ty), mask=m2)
-            tl.store(DV + b * swb + h * swh + n[:, None] * swn + d[None, :],
-                     dv.to(DV.dtype.element_ty), mask=m2)
-            if HAS_BIAS:  # the stored (rounded) values, as a bias gradient of the GEMM output
-                ob = b * sdb + h * D + d
-                tl.store(DB + ob, tl.sum(dq.to(DQ.dtype.element_ty).to(tl.float32), 0),
-                         mask=md)
-                tl.store(DB + ob + H * D,
-                         tl.sum(dk.to(DK.dtype.element_ty).to(tl.float32), 0), mask=md)
-                tl.store(DB + ob + 2 * H * D,
-                         tl.sum(dv.to(DV.dtype.element_ty).to(tl.float32), 0), mask=md)
+        pid, b, h, n, d, mn, md, m2, q, k, v, s, valid = _tile(
+            Q, K, V, BQ, BK, BV, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sbc, H, N, D, BPC,
+            scale, CAUSAL, HAS_BIAS, BN, BD, PREC)
+        do = tl.load(DO + b * sgb + h * sgh + n[:, None] * sgn + d[None, :], mask=m2,
+                     other=0.0)
+        lse = tl.load(L + pid * N + n, mask=mn, other=0.0)
+        p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
+        dv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        if DELTA_FROM_P:
+            delta = tl.sum(p * dp, 1)
+        else:
+            o = tl.load(O + b * sob + h * soh + n[:, None] * son + d[None, :], mask=m2,
+                        other=0.0)
+            delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, input_precision=PREC) * scale
+        dk = tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC) * scale
+        offr = b * srb + h * srh + n[:, None] * srn + d[None, :]
+        tl.store(DQ + offr, dq.to(DQ.dtype.element_ty), mask=m2)
+        tl.store(DK + offr, dk.to(DK.dtype.element_ty), mask=m2)
+        tl.store(DV + b * swb + h * swh + n[:, None] * swn + d[None, :],
+                 dv.to(DV.dtype.element_ty), mask=m2)
+        if HAS_BIAS:  # the stored (rounded) values, as a bias gradient of the GEMM output
+            ob = b * sdb + h * D + d
+            tl.store(DB + ob, tl.sum(dq.to(DQ.dtype.element_ty).to(tl.float32), 0), mask=md)
+            tl.store(DB + ob + H * D,
+                     tl.sum(dk.to(DK.dtype.element_ty).to(tl.float32), 0), mask=md)
+            tl.store(DB + ob + 2 * H * D,
+                     tl.sum(dv.to(DV.dtype.element_ty).to(tl.float32), 0), mask=md)
+
 
 def _out_like(q: torch.Tensor) -> torch.Tensor:
     """A (B, H, N, D) tensor laid out as (B, N, H, D): the models' next reshape is a view."""
@@ -205,22 +190,23 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 def _launch_fwd(q, k, v, bq, bk, bv, sbc, bpc, o, causal):
     b, h, n, d = q.shape
     lse = torch.empty(b, h, n, dtype=torch.float32, device=q.device)
-    bn, bd, warps, tiles, stages = _blocks(n, d)
-    _fwd_kernel[(triton.cdiv(b * h, tiles),)](
-        q, k, v, bq, bk, bv, o, lse, *_s3(q), *_s3(k), *_s3(v), sbc, *_s3(o), b * h, h, n, d,
-        bpc, 1.0 / math.sqrt(d), CAUSAL=causal, HAS_BIAS=bq is not None, BN=bn, BD=bd,
-        PREC=_prec(q), G=tiles, STAGES=stages, num_warps=warps)
+    bn, bd, warps = _blocks(n, d)
+    _fwd_kernel[(b * h,)](q, k, v, bq, bk, bv, o, lse, *_s3(q), *_s3(k), *_s3(v), sbc, *_s3(o),
+                          h, n, d, bpc, 1.0 / math.sqrt(d), CAUSAL=causal,
+                          HAS_BIAS=bq is not None, BN=bn, BD=bd, PREC=_prec(q),
+                          num_warps=warps)
     return lse
 
 
 def _launch_bwd(q, k, v, bq, bk, bv, sbc, bpc, o, do, lse, dq, dk, dv, db, causal):
     b, h, n, d = q.shape
-    bn, bd, warps, tiles, stages = _blocks(n, d, backward=True)
-    _bwd_kernel[(triton.cdiv(b * h, tiles),)](
-        q, k, v, bq, bk, bv, o, do, lse, dq, dk, dv, db, *_s3(q), *_s3(k), *_s3(v), sbc,
-        *_s3(o), *_s3(do), *_s3(dq), *_s3(dv), 0 if db is None else db.stride(0), b * h, h, n,
-        d, bpc, 1.0 / math.sqrt(d), CAUSAL=causal, HAS_BIAS=bq is not None, BN=bn, BD=bd,
-        PREC=_prec(q), G=tiles, STAGES=stages, DELTA_FROM_P=DELTA_FROM_P, num_warps=warps)
+    bn, bd, warps = _blocks(n, d, backward=True)
+    _bwd_kernel[(b * h,)](q, k, v, bq, bk, bv, o, do, lse, dq, dk, dv, db,
+                          *_s3(q), *_s3(k), *_s3(v), sbc, *_s3(o), *_s3(do), *_s3(dq),
+                          *_s3(dv), 0 if db is None else db.stride(0), h, n, d, bpc,
+                          1.0 / math.sqrt(d), CAUSAL=causal, HAS_BIAS=bq is not None,
+                          BN=bn, BD=bd, PREC=_prec(q), DELTA_FROM_P=DELTA_FROM_P,
+                          num_warps=warps)
 
 
 # -- separate q, k, v ------------------------------------------------------------------------

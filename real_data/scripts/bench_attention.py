@@ -10,12 +10,12 @@ output of the q/k/v GEMM and its bias, as the stacked forward has them:
 - ``packed``: :func:`~real_data.engines.tiny_attention.qkv_attention` (bias inside the kernel,
   bias gradient out of the backward), at each number of warps per program in ``--warps`` (the
   same in both kernels), and at the defaults (``packed_default``: ``WARPS`` forward,
-  ``BWD_WARPS`` backward).
+  ``BWD_WARPS`` backward);
+- ``packed_delta_from_o``: the defaults, with the backward's row sums read from O (as flash
+  attention does) instead of taken from P (``tiny_attention.DELTA_FROM_P``).
 
 Median of CUDA-event timings after warm-up; one JSON row per (model, variant).
-With ``--sweep``, the packed kernel alone over warps, (sample, head) tiles per program and
-pipeline stages of its loop, forward and backward, and the backward's two ways to its row sums.
-Usage: ``python -m real_data.scripts.bench_attention [--warps 2,4,8] [--sweep] [--out FILE]``.
+Usage: ``python -m real_data.scripts.bench_attention [--warps 2,4,8] [--out FILE]``.
 """
 
 from __future__ import annotations
@@ -76,70 +76,21 @@ def _bench(name: str, shape: tuple, warps_list: list[int], repeats: int) -> list
     variants += [(f"packed_w{w}", packed, w, w)
                  for w in sorted(set(warps_list) | {fwd_default, bwd_default})]
     variants.append(("packed_default", packed, fwd_default, bwd_default))
+    variants.append(("packed_delta_from_o", packed, fwd_default, bwd_default))
     rows = []
     for vname, fn, wf, wb in variants:
         tiny_attention.WARPS[bn], tiny_attention.BWD_WARPS[bn] = wf, wb
+        tiny_attention.DELTA_FROM_P = vname != "packed_delta_from_o"
         try:
             fwd = _time(fn, repeats)
             both = _time(lambda fn=fn: fn().backward(g), repeats)
         finally:
             tiny_attention.WARPS[bn], tiny_attention.BWD_WARPS[bn] = fwd_default, bwd_default
+            tiny_attention.DELTA_FROM_P = True
         rows.append({"model": name, "variant": vname, "warps": wf, "bwd_warps": wb,
                      "shape": list(shape), "fwd_ms": fwd * 1e3, "fwd_bwd_ms": both * 1e3})
         print(f"{name:5s} {vname:14s} fwd {fwd * 1e3:7.3f} ms  fwd+bwd {both * 1e3:7.3f} ms",
               flush=True)
-    return rows
-
-
-def _set(bn: int, cfg: dict) -> None:
-    ta = tiny_attention
-    ta.WARPS[bn], ta.TILES[bn], ta.STAGES[bn] = cfg["fwd"]
-    ta.BWD_WARPS[bn], ta.BWD_TILES[bn], ta.BWD_STAGES[bn] = cfg["bwd"]
-    ta.DELTA_FROM_P = cfg["delta_from_p"]
-
-
-def _sweep(name: str, shape: tuple, repeats: int) -> list[dict]:
-    """The packed kernel at each (warps, tiles per program, pipeline stages): the forward's
-    settings timed on the forward, the backward's on forward + backward with the default
-    forward; the backward's delta read from O or taken from P."""
-    c, b, n, h, d, causal = shape
-    dev = torch.device("cuda")
-    qkv = torch.randn(c, b * n, 3 * h * d, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    bias = torch.randn(c, 3 * h * d, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    g = torch.randn(c, b * n, h * d, device=dev, dtype=torch.bfloat16)
-    ta = tiny_attention
-    bn = max(16, 1 << (n - 1).bit_length())
-    default = {"fwd": (ta.WARPS[bn], ta.TILES[bn], ta.STAGES[bn]),
-               "bwd": (ta.BWD_WARPS[bn], ta.BWD_TILES[bn], ta.BWD_STAGES[bn]),
-               "delta_from_p": ta.DELTA_FROM_P}
-    grid = [(w, t, s) for w in (2, 4, 8) for t in (1, 2, 4, 8) for s in ((1,) if t == 1
-                                                                        else (1, 2, 3))]
-
-    def packed():
-        return tiny_attention.qkv_attention(qkv, bias, h, n, causal)
-
-    rows = []
-    cases = [("default", default)]
-    cases += [("fwd", {**default, "fwd": c}) for c in grid if c[0] != 8]
-    cases += [("bwd", {**default, "bwd": c}) for c in grid]
-    cases += [("delta_from_o", {**default, "delta_from_p": False})]
-    for part, cfg in cases:
-        _set(bn, cfg)
-        try:
-            fwd = _time(packed, repeats)
-            both = _time(lambda: packed().backward(g), repeats) if part != "fwd" else None
-        except Exception as e:  # noqa: BLE001 - a config Triton cannot build is a result
-            print(f"{name} {part} {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-            continue
-        finally:
-            _set(bn, default)
-        rows.append({"model": name, "part": part, "config": {k: list(v) if isinstance(v, tuple)
-                                                             else v for k, v in cfg.items()},
-                     "shape": list(shape), "fwd_ms": fwd * 1e3,
-                     "fwd_bwd_ms": None if both is None else both * 1e3})
-        print(f"{name:5s} {part:12s} fwd {cfg['fwd']} bwd {cfg['bwd']} "
-              f"delta_p {cfg['delta_from_p']}: fwd {fwd * 1e3:7.3f} ms"
-              + ("" if both is None else f"  fwd+bwd {both * 1e3:7.3f} ms"), flush=True)
     return rows
 
 
@@ -148,16 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warps", default="2,4,8")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--sweep", action="store_true",
-                    help="time the packed kernel over warps, tiles per program and pipeline "
-                         "stages instead")
     args = ap.parse_args(argv)
     warps = [int(x) for x in args.warps.split(",")]
-    if args.sweep:
-        rows = [r for name, shape in SHAPES.items() for r in _sweep(name, shape, args.repeats)]
-    else:
-        rows = [r for name, shape in SHAPES.items()
-                for r in _bench(name, shape, warps, args.repeats)]
+    rows = [r for name, shape in SHAPES.items() for r in _bench(name, shape, warps, args.repeats)]
     if args.out:
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(),
                                         "torch": torch.__version__, "rows": rows}, indent=1))
