@@ -124,8 +124,9 @@ class _Net:
         w, b = self.p(f"{prefix}.weight"), self.params.get(f"{prefix}.bias")
         if fold is None:
             return w, b
-        lw, lb = fold  # (C, in) each; elementwise products, in fp32 under autocast too
-        return w * lw.unsqueeze(1), b + (w * lb.unsqueeze(1)).sum(-1)
+        # (C, in) each, or (in,) when shared; elementwise products, in fp32 under autocast
+        lw, lb = fold[0].unsqueeze(-2), fold[1].unsqueeze(-2)
+        return w * lw, b + (w * lb).sum(-1)
 
     def linear(self, x: torch.Tensor, prefix: str, fold: Fold = None) -> torch.Tensor:
         w, b = self.folded(prefix, fold)
@@ -165,18 +166,22 @@ class _Net:
 
         When the affine and every consumer linear (``consumers``: those that read the output,
         with weight and bias) are the clients' own, the affine is not applied here: it is
-        returned, to be folded into the consumers' weights (:meth:`folded`). That is the same
-        function, and it spares the per-client affine's passes over the activations (forward
-        and its gradient's reductions over every token); under bf16 autocast it rounds
-        differently (the normalized values are cast, not the affine output).
+        returned, to be folded into the consumers' weights (:meth:`folded`). So is a shared
+        affine that takes no gradient (frozen, as in FedFrozen's value-only stage), whoever
+        the consumers are. That is the same function, and it spares the affine's passes over
+        the activations (forward, and for a per-client affine its gradient's reductions over
+        every token); under bf16 autocast it rounds differently (the normalized values are
+        cast, not the affine output).
         """
         w, b = self.p(f"{prefix}.weight"), self.p(f"{prefix}.bias")
         shape = (x.shape[-1],)
-        own = [f"{prefix}.weight", f"{prefix}.bias"] + \
-            [f"{q}.{t}" for q in consumers for t in ("weight", "bias")]
-        if self.fold_norms and consumers and all(nm in self.params and self.own(nm)
-                                                 for nm in own):
-            return _norm(x, eps), (w, b)
+        names = [f"{q}.{t}" for q in consumers for t in ("weight", "bias")]
+        if self.fold_norms and consumers and all(nm in self.params for nm in names):
+            if all(self.own(nm) for nm in [f"{prefix}.weight", f"{prefix}.bias"] + names):
+                return _norm(x, eps), (w, b)
+            if not (self.own(f"{prefix}.weight") or self.own(f"{prefix}.bias")
+                    or w.requires_grad or b.requires_grad):
+                return _norm(x, eps), (w, b)
         if not self.own(f"{prefix}.weight") and not self.own(f"{prefix}.bias"):
             return _norm(x, eps, w, b), None
         y = F.layer_norm(x, shape, None, None, eps)
@@ -215,7 +220,7 @@ class _Net:
             y = tiny_attention.qkv_attention(qkv, b.to(qkv.dtype), h, n, mod.causal)
             return self.linear(y, f"{prefix}.out")
         if kind == "qk_v":  # q, k from one shared GEMM; v's bias added inside the kernel
-            w, b = self.fused([f"{prefix}.q", f"{prefix}.k"], own=False)
+            w, b = self.fused([f"{prefix}.q", f"{prefix}.k"], own=False, fold=fold)
             qk = F.linear(x, w, b)
             wv, bv = self.folded(f"{prefix}.v", fold)
             v = torch.bmm(x, wv.transpose(1, 2))

@@ -132,10 +132,12 @@ if triton is not None:
                     sgb, sgh, sgn, srb, srh, srn, swb, swh, swn, sdb,
                     H, N, D, BPC, scale,
                     CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr,
-                    BD: tl.constexpr, PREC: tl.constexpr, DELTA_FROM_P: tl.constexpr):
+                    BD: tl.constexpr, PREC: tl.constexpr, DELTA_FROM_P: tl.constexpr,
+                    NEED_DQK: tl.constexpr):
         # DO has strides sg*; DQ and DK share the strides sr*, DV has sw*; with HAS_BIAS, DB
         # gets the sample's bias gradient (dq, dk, dv summed over its tokens), one row of
-        # 3 H D per sample; with DELTA_FROM_P, O is not read
+        # 3 H D per sample; with DELTA_FROM_P, O is not read; without NEED_DQK only dv is
+        # computed (and zeros for the q/k bias gradient)
         pid, b, h, n, d, mn, md, m2, q, k, v, s, valid = _tile(
             Q, K, V, BQ, BK, BV, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sbc, H, N, D, BPC,
             scale, CAUSAL, HAS_BIAS, BN, BD, PREC)
@@ -144,29 +146,35 @@ if triton is not None:
         lse = tl.load(L + pid * N + n, mask=mn, other=0.0)
         p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
         dv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-        if DELTA_FROM_P:
-            delta = tl.sum(p * dp, 1)
-        else:
-            o = tl.load(O + b * sob + h * soh + n[:, None] * son + d[None, :], mask=m2,
-                        other=0.0)
-            delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, input_precision=PREC) * scale
-        dk = tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC) * scale
-        offr = b * srb + h * srh + n[:, None] * srn + d[None, :]
-        tl.store(DQ + offr, dq.to(DQ.dtype.element_ty), mask=m2)
-        tl.store(DK + offr, dk.to(DK.dtype.element_ty), mask=m2)
         tl.store(DV + b * swb + h * swh + n[:, None] * swn + d[None, :],
                  dv.to(DV.dtype.element_ty), mask=m2)
+        ob = b * sdb + h * D + d
         if HAS_BIAS:  # the stored (rounded) values, as a bias gradient of the GEMM output
-            ob = b * sdb + h * D + d
-            tl.store(DB + ob, tl.sum(dq.to(DQ.dtype.element_ty).to(tl.float32), 0), mask=md)
-            tl.store(DB + ob + H * D,
-                     tl.sum(dk.to(DK.dtype.element_ty).to(tl.float32), 0), mask=md)
             tl.store(DB + ob + 2 * H * D,
                      tl.sum(dv.to(DV.dtype.element_ty).to(tl.float32), 0), mask=md)
-
+        if NEED_DQK:
+            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+            if DELTA_FROM_P:
+                delta = tl.sum(p * dp, 1)
+            else:
+                o = tl.load(O + b * sob + h * soh + n[:, None] * son + d[None, :], mask=m2,
+                            other=0.0)
+                delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+            ds = p * (dp - delta[:, None])
+            dq = tl.dot(ds.to(k.dtype), k, input_precision=PREC) * scale
+            dk = tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC) * scale
+            offr = b * srb + h * srh + n[:, None] * srn + d[None, :]
+            tl.store(DQ + offr, dq.to(DQ.dtype.element_ty), mask=m2)
+            tl.store(DK + offr, dk.to(DK.dtype.element_ty), mask=m2)
+            if HAS_BIAS:
+                tl.store(DB + ob, tl.sum(dq.to(DQ.dtype.element_ty).to(tl.float32), 0),
+                         mask=md)
+                tl.store(DB + ob + H * D,
+                         tl.sum(dk.to(DK.dtype.element_ty).to(tl.float32), 0), mask=md)
+        elif HAS_BIAS:
+            zero = tl.zeros([BD], dtype=tl.float32)
+            tl.store(DB + ob, zero, mask=md)
+            tl.store(DB + ob + H * D, zero, mask=md)
 
 def _out_like(q: torch.Tensor) -> torch.Tensor:
     """A (B, H, N, D) tensor laid out as (B, N, H, D): the models' next reshape is a view."""
@@ -198,7 +206,8 @@ def _launch_fwd(q, k, v, bq, bk, bv, sbc, bpc, o, causal):
     return lse
 
 
-def _launch_bwd(q, k, v, bq, bk, bv, sbc, bpc, o, do, lse, dq, dk, dv, db, causal):
+def _launch_bwd(q, k, v, bq, bk, bv, sbc, bpc, o, do, lse, dq, dk, dv, db, causal,
+                need_dqk=True):
     b, h, n, d = q.shape
     bn, bd, warps = _blocks(n, d, backward=True)
     _bwd_kernel[(b * h,)](q, k, v, bq, bk, bv, o, do, lse, dq, dk, dv, db,
@@ -206,7 +215,7 @@ def _launch_bwd(q, k, v, bq, bk, bv, sbc, bpc, o, do, lse, dq, dk, dv, db, causa
                           *_s3(dv), 0 if db is None else db.stride(0), h, n, d, bpc,
                           1.0 / math.sqrt(d), CAUSAL=causal, HAS_BIAS=bq is not None,
                           BN=bn, BD=bd, PREC=_prec(q), DELTA_FROM_P=DELTA_FROM_P,
-                          num_warps=warps)
+                          NEED_DQK=need_dqk, num_warps=warps)
 
 
 # -- separate q, k, v ------------------------------------------------------------------------
@@ -281,13 +290,15 @@ def _packed_fwd(q, k, v, bias: torch.Tensor, out: torch.Tensor, heads: int, n: i
 
 def _packed_bwd(q, k, v, dq, dk, dv, bias: torch.Tensor, out: torch.Tensor,
                 dout: torch.Tensor, lse: torch.Tensor, heads: int, n: int,
-                causal: bool) -> torch.Tensor:
-    """Backward of the packed ops into the views dq, dk, dv; returns the bias gradient."""
+                causal: bool, need_dqk: bool = True) -> torch.Tensor:
+    """Backward of the packed ops into the views dq, dk, dv (without ``need_dqk`` dv alone:
+    dq and dk are not written, and the q/k part of the bias gradient is zero); returns the
+    bias gradient."""
     c, t, hd = out.shape
     part = torch.empty(c * t // n, 3 * hd, dtype=torch.float32, device=out.device)
     _launch_bwd(q, k, v, bias, bias[:, hd:], bias[:, 2 * hd:], bias.stride(0), t // n,
                 _heads(out, heads, n, 1)[0], _heads(dout, heads, n, 1)[0], lse, dq, dk, dv,
-                part, causal)
+                part, causal, need_dqk)
     return part.view(c, t // n, 3 * hd).sum(1).to(bias.dtype)
 
 
@@ -358,18 +369,24 @@ def _(qk, v, bias, heads, n, causal):
 @torch.library.custom_op("linattn::tiny_qk_v_attention_backward", mutates_args=())
 def _qk_v_backward_op(qk: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, out: torch.Tensor,
                       dout: torch.Tensor, lse: torch.Tensor, heads: int, n: int,
-                      causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      causal: bool, need_dqk: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """d(qk) (empty without ``need_dqk``: in the first block of the value-only stage nothing
+    below q and k takes a gradient), dv and the bias gradient."""
     qk, v, bias, out, dout = (t.contiguous() for t in (qk, v, bias, out, dout))
-    dqk, dv = torch.empty_like(qk), torch.empty_like(v)
-    dbias = _packed_bwd(*_heads(qk, heads, n, 2), *_heads(v, heads, n, 1),
-                        *_heads(dqk, heads, n, 2), *_heads(dv, heads, n, 1), bias, out, dout,
-                        lse, heads, n, causal)
+    dqk = torch.empty_like(qk) if need_dqk else qk.new_empty(0)
+    dv = torch.empty_like(v)
+    dq, dk = _heads(dqk, heads, n, 2) if need_dqk else _heads(dv, heads, n, 1) * 2
+    dbias = _packed_bwd(*_heads(qk, heads, n, 2), *_heads(v, heads, n, 1), dq, dk,
+                        *_heads(dv, heads, n, 1), bias, out, dout, lse, heads, n, causal,
+                        need_dqk)
     return dqk, dv, dbias
 
 
 @_qk_v_backward_op.register_fake
-def _(qk, v, bias, out, dout, lse, heads, n, causal):
-    return torch.empty_like(qk), torch.empty_like(v), torch.empty_like(bias)
+def _(qk, v, bias, out, dout, lse, heads, n, causal, need_dqk):
+    dqk = torch.empty_like(qk) if need_dqk else qk.new_empty(0)
+    return dqk, torch.empty_like(v), torch.empty_like(bias)
 
 
 def _qk_v_setup_context(ctx, inputs, output) -> None:
@@ -381,9 +398,10 @@ def _qk_v_setup_context(ctx, inputs, output) -> None:
 
 def _qk_v_backward(ctx, dout, _dlse):
     qk, v, bias, out, lse = ctx.saved_tensors
+    need_dqk = ctx.needs_input_grad[0]
     dqk, dv, dbias = _qk_v_backward_op(qk, v, bias, out, dout, lse, ctx.heads, ctx.n,
-                                       ctx.causal)
-    return dqk, dv, dbias, None, None, None
+                                       ctx.causal, need_dqk)
+    return (dqk if need_dqk else None), dv, dbias, None, None, None
 
 
 _qk_v_op.register_autograd(_qk_v_backward, setup_context=_qk_v_setup_context)

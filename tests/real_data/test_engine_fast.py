@@ -106,10 +106,11 @@ def test_fast_path_matches_sequential(kind, cfg, spec, stage):
 
 
 @pytest.mark.parametrize("kind", ["vit", "char"])
-@pytest.mark.parametrize("stage", ["full", "all_but_qk"])
+@pytest.mark.parametrize("stage", ["full", "all_but_qk", "v"])
 def test_folded_layer_norm_affine_is_the_same_function(kind, stage, monkeypatch):
-    """Folding each LayerNorm's per-client affine into the next linears (the default) gives
-    the unfolded logits and gradients to float64 rounding, with affines away from (1, 0)."""
+    """Folding each LayerNorm's affine into the next linears (the default; per-client
+    affines, and shared frozen ones as in the value-only stage) gives the unfolded logits and
+    gradients to float64 rounding, with affines away from (1, 0)."""
     from real_data.engines import stacked
     from real_data.engines.stacked import stacked_forward
 
@@ -126,10 +127,13 @@ def test_folded_layer_norm_affine_is_the_same_function(kind, stage, monkeypatch)
     g = torch.Generator().manual_seed(5)
     c = 3
     names = [n for n, _ in model.named_parameters()]
-    train = names if stage == "full" else _all_but_qk(model)
+    train = {"full": names, "all_but_qk": _all_but_qk(model),
+             "v": names_of_kind(model.param_groups(), "v")}[stage]
     params = {n: (p.detach().unsqueeze(0).repeat(c, *[1] * p.dim())
                   + 0.3 * torch.randn(c, *p.shape, generator=g, dtype=p.dtype)
-                  if n in train else p.detach()).requires_grad_(n in train)
+                  if n in train else p.detach()
+                  + 0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype)
+                  ).requires_grad_(n in train)
               for n, p in model.named_parameters()}
     if kind == "vit":
         x = torch.rand(c, 4, 1, 8, 8, generator=g, dtype=torch.float64)
@@ -142,10 +146,12 @@ def test_folded_layer_norm_affine_is_the_same_function(kind, stage, monkeypatch)
                                                         dtype=y.dtype)).sum(),
                                     [params[n] for n in train])
         out[fold] = (y, grads)
-    # per run 2 depth + 1 LayerNorms; folded: norm1 where q, k and v train, norm2 and the last
+    # per run 2 depth + 1 LayerNorms; folded: norm1 where q, k and v train (or the affine is
+    # frozen: stage v), norm2 and the last
     depth, half = model.cfg.depth, len(folded) // 2
     assert half == 2 * depth + 1
-    assert sum(f for _, f in folded[:half]) == (2 * depth + 1 if stage == "full" else depth + 1)
+    assert sum(f for _, f in folded[:half]) == (depth + 1 if stage == "all_but_qk"
+                                                else 2 * depth + 1)
     assert not any(f for _, f in folded[half:])
     assert torch.allclose(out[True][0], out[False][0], rtol=1e-10, atol=1e-12)
     for n, a, b in zip(train, out[True][1], out[False][1]):

@@ -114,16 +114,22 @@ vit = build_model("vit", ViTConfig(patch=2, dim=16, depth=2, heads=2, mlp_dim=16
 char = build_model("char_transformer", CharTransformerConfig(dim=16, depth=2, heads=2,
                    mlp_dim=16, vocab_size=11, seq_len=6), seed=3)
 for m, x in ((vit, torch.rand(3, 4, 1, 8, 8)), (char, torch.randint(11, (3, 4, 6)))):
-    for frozen in (False, True):  # all stacked: the packed kernel; Q/K shared: the other one
+    # all stacked: the packed kernel; Q/K shared: the other one; only V stacked (FedFrozen's
+    # value-only stage): the other one, the shared LayerNorm affines folded into the linears
+    for frozen in ("none", "qk", "all_but_v"):
         base = {k: p.detach() + 0.01 * torch.randn(3, *p.shape) for k, p in m.named_parameters()}
-        stacked = frozenset(k for k in base if not (frozen and (".q." in k or ".k." in k)))
+        stacked = frozenset(k for k in base if {"none": True, "all_but_v": ".v." in k,
+                                               "qk": not (".q." in k or ".k." in k)}[frozen])
         base = {k: (v if k in stacked else v[0]) for k, v in base.items()}
         res = []
         for kernel in ("sdpa", "triton"):
-            ps = {k: v.clone().requires_grad_(True) for k, v in base.items()}
+            # value-only: the shared parameters frozen (no gradient), as the fast engine has them
+            ps = {k: v.clone().requires_grad_(frozen != "all_but_v" or k in stacked)
+                  for k, v in base.items()}
             y = stacked_forward(m, ps, stacked, x, kernel)
             y.square().sum().backward()
-            res.append((y.detach(), torch.cat([ps[k].grad.flatten() for k in sorted(ps)])))
+            res.append((y.detach(), torch.cat([ps[k].grad.flatten() for k in sorted(ps)
+                                               if ps[k].requires_grad])))
         out["models"].append([type(m).__name__, frozen, rel(res[1][0], res[0][0]),
                               rel(res[1][1], res[0][1])])
 print(json.dumps(out))
@@ -136,7 +142,8 @@ def test_interpreted_packed_kernel_and_models_match_sdpa(delta_from_p):
     """The packed q/k/v kernel (bias inside, bias gradient out of the backward) and the
     shared-q/k, own-v kernel against SDPA on the biased projections; and the models' stacked
     forward and every parameter's gradient with ``attention="triton"`` against ``"sdpa"``
-    (fp32), full (the packed kernel) and with Q/K shared (the shared-q/k kernel); with the
+    (fp32), full (the packed kernel), with Q/K shared and with only V the clients' own (the
+    shared-q/k kernel; then the frozen LayerNorm affines are folded); with the
     backward's row sums taken from P (the default) and read from O."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     shapes = [[2, 3, 50, 4, 32, False], [3, 2, 80, 8, 16, True], [2, 2, 7, 2, 5, False]]
@@ -145,7 +152,7 @@ def test_interpreted_packed_kernel_and_models_match_sdpa(delta_from_p):
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(out["packed"]) == 6 and len(out["qk_v"]) == 6 and len(out["models"]) == 4
+    assert len(out["packed"]) == 6 and len(out["qk_v"]) == 6 and len(out["models"]) == 6
     for dt, e_out, e_qkv, e_bias, stride in out["packed"]:
         tol = 1e-5 if dt == "torch.float32" else 4e-3
         assert max(e_out, e_qkv, e_bias) < tol, (dt, e_out, e_qkv, e_bias)
