@@ -580,7 +580,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _sources() -> list[Path]:
     here = Path(__file__).parent
-    return [here / "bench.py", here / "engines" / "fast.py", here / "engines" / "stacked.py"]
+    return [here / "bench.py"] + [here / "engines" / f"{m}.py" for m in
+                                  ("fast", "stacked", "tiny_attention", "flat_update")]
 
 
 if __name__ == "__main__":

@@ -119,8 +119,9 @@ class _Net:
 
     # -- building blocks, x is (C, T, features) ----------------------------------------------
     def folded(self, prefix: str, fold: Fold) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A linear's weight and bias, with a preceding LayerNorm's per-client affine
-        ``(w, b)`` folded in: ``(y w + b) W^T + c = y (W diag(w))^T + (W b + c)``."""
+        """A linear's weight and bias, with a preceding LayerNorm's affine ``(w, b)`` folded
+        in (per-client ``(C, in)`` or shared ``(in,)``): ``(y w + b) W^T + c = y (W diag(w))^T
+        + (W b + c)``."""
         w, b = self.p(f"{prefix}.weight"), self.params.get(f"{prefix}.bias")
         if fold is None:
             return w, b
@@ -284,8 +285,8 @@ def stacked_forward(model: nn.Module, params: Params, stacked: frozenset[str],
         Softmax attention kernel: the Triton one-tile kernel where it applies ("auto"),
         always SDPA, or always Triton (which then must be usable).
     fold_norms : bool
-        Fold a LayerNorm's per-client affine into the next linears' weights where all of them
-        are the clients' own (:meth:`_Net.layer_norm`).
+        Fold a LayerNorm's affine into the next linears' weights where it and all of them are
+        the clients' own, or where it is shared and takes no gradient (:meth:`_Net.layer_norm`).
 
     Returns
     -------

@@ -78,15 +78,16 @@ def _bench(name: str, shape: tuple, warps_list: list[int], repeats: int) -> list
     variants.append(("packed_default", packed, fwd_default, bwd_default))
     variants.append(("packed_delta_from_o", packed, fwd_default, bwd_default))
     rows = []
+    delta_default = tiny_attention.DELTA_FROM_P
     for vname, fn, wf, wb in variants:
         tiny_attention.WARPS[bn], tiny_attention.BWD_WARPS[bn] = wf, wb
-        tiny_attention.DELTA_FROM_P = vname != "packed_delta_from_o"
+        tiny_attention.DELTA_FROM_P = delta_default and vname != "packed_delta_from_o"
         try:
             fwd = _time(fn, repeats)
             both = _time(lambda fn=fn: fn().backward(g), repeats)
         finally:
             tiny_attention.WARPS[bn], tiny_attention.BWD_WARPS[bn] = fwd_default, bwd_default
-            tiny_attention.DELTA_FROM_P = True
+            tiny_attention.DELTA_FROM_P = delta_default
         rows.append({"model": name, "variant": vname, "warps": wf, "bwd_warps": wb,
                      "shape": list(shape), "fwd_ms": fwd * 1e3, "fwd_bwd_ms": both * 1e3})
         print(f"{name:5s} {vname:14s} fwd {fwd * 1e3:7.3f} ms  fwd+bwd {both * 1e3:7.3f} ms",

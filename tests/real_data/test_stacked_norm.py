@@ -50,6 +50,31 @@ def test_compiled_norm_under_bf16_autocast(affine):
     assert y.dtype == torch.bfloat16
     assert float((y.float() - y_ref).abs().max() / y_ref.abs().max()) < 8e-3
     assert float((dx - dx_ref).abs().max() / dx_ref.abs().max()) < 1e-2
-    # eagerly (and for an affine that takes a gradient) it is F.layer_norm itself
+    # eagerly it is F.layer_norm itself
     assert run(x).dtype == torch.float32
     assert _norm(x, 1e-5, w, b).dtype == torch.float32
+
+
+def test_compiled_norm_with_a_trained_affine_is_layer_norm():
+    """An affine that takes a gradient is left to ``F.layer_norm`` under compile and autocast
+    too (``_NormCast`` gives it none): its gradients are ``F.layer_norm``'s."""
+    torch.manual_seed(2)
+    x = torch.randn(4, 9, 32)
+    g = torch.randn(4, 9, 32)
+    grads = []
+    for compiled in (True, False):
+        w = (torch.rand(32) + 0.5).requires_grad_()
+        b = torch.randn(32).requires_grad_()
+
+        def run(t, w=w, b=b):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return _norm(t, 1e-5, w, b)
+
+        fn = torch.compile(run, fullgraph=True) if compiled else \
+            (lambda t, w=w, b=b: F.layer_norm(t, (32,), w, b, 1e-5))
+        y = fn(x)
+        assert y.dtype == torch.float32
+        y.backward(g)
+        grads.append((w.grad, b.grad))
+    for a, r in zip(grads[0], grads[1]):
+        assert a is not None and torch.allclose(a, r, rtol=1e-4, atol=1e-5)
