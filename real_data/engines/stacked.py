@@ -56,49 +56,42 @@ def _bias_bmm(b: torch.Tensor, x: torch.Tensor, wt: torch.Tensor) -> torch.Tenso
 
 
 class _NormCast(torch.autograd.Function):
-    """LayerNorm over the last axis with a fixed affine (``w``, ``b``: None, or tensors that
-    take no gradient), its output cast to ``dtype``: what the next GEMM reads under autocast.
+    """LayerNorm over the last axis without affine, its output cast to ``dtype``: what the
+    next GEMM reads under autocast (the affine is folded into that GEMM's weights).
 
-    The forward is ``F.layer_norm`` and the cast. The backward reads the normalized values
-    back in ``dtype`` (the cast output itself when there is no affine, which the GEMM keeps
-    for its weight gradient anyway) instead of keeping them in fp32, as the compiled graph
-    otherwise does: per LayerNorm and step it spares writing and reading one fp32 copy of
-    the activation. It rounds the backward's normalized values to ``dtype`` (bf16: 2^-9
-    relative); the gradient it multiplies is the GEMM's, already in ``dtype``.
+    The forward is ``F.layer_norm`` and the cast. The backward reads the cast output, which
+    the GEMM keeps for its weight gradient anyway, instead of an fp32 copy of the normalized
+    values, as the compiled graph otherwise keeps: per LayerNorm and step it spares writing
+    and reading one fp32 copy of the activation. It rounds the backward's normalized values
+    to ``dtype`` (bf16: 2^-9 relative); the gradient they multiply is the GEMM's, already in
+    ``dtype``. The formula is ``native_layer_norm_backward``'s, written out because that op
+    recomputes the normalized values from the fp32 input, which is what is not kept here.
     """
 
     @staticmethod
-    def forward(ctx, x, w, b, eps, dtype):
+    def forward(ctx, x, eps, dtype):
         xh, _, rstd = torch.native_layer_norm(x, (x.shape[-1],), None, None, eps)
-        if w is None:
-            y = xh = xh.to(dtype)
-        else:
-            y = torch.addcmul(b, xh, w).to(dtype)
-            xh = xh.to(dtype)
-        ctx.save_for_backward(xh, rstd, w)
+        y = xh.to(dtype)
+        ctx.save_for_backward(y, rstd)
         ctx.in_dtype = x.dtype
         return y
 
     @staticmethod
     def backward(ctx, g):
-        xh, rstd, w = ctx.saved_tensors
-        xh, g = xh.to(rstd.dtype), g.to(rstd.dtype)  # the input's type (fp32 or wider)
-        if w is not None:
-            g = g * w
+        y, rstd = ctx.saved_tensors
+        xh, g = y.to(rstd.dtype), g.to(rstd.dtype)  # the input's type (fp32 or wider)
         dx = rstd * (g - g.mean(-1, keepdim=True) - xh * (g * xh).mean(-1, keepdim=True))
-        return dx.to(ctx.in_dtype), None, None, None, None
+        return dx.to(ctx.in_dtype), None, None
 
 
-def _norm(x: torch.Tensor, eps: float, w: torch.Tensor | None = None,
-          b: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.layer_norm(x, ..., w, b, eps)`` for the next GEMM: under ``torch.compile`` with
+def _norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``F.layer_norm`` without affine, for the next GEMM: under ``torch.compile`` with
     autocast to a narrower type, :class:`_NormCast` (output already in that type)."""
     dev = x.device.type
     if (torch.compiler.is_compiling() and torch.is_autocast_enabled(dev)
-            and torch.get_autocast_dtype(dev).itemsize < x.dtype.itemsize
-            and (w is None or not (w.requires_grad or b.requires_grad))):
-        return _NormCast.apply(x, w, b, eps, torch.get_autocast_dtype(dev))
-    return F.layer_norm(x, (x.shape[-1],), w, b, eps)
+            and torch.get_autocast_dtype(dev).itemsize < x.dtype.itemsize):
+        return _NormCast.apply(x, eps, torch.get_autocast_dtype(dev))
+    return F.layer_norm(x, (x.shape[-1],), None, None, eps)
 
 
 class _Net:
@@ -177,14 +170,13 @@ class _Net:
         w, b = self.p(f"{prefix}.weight"), self.p(f"{prefix}.bias")
         shape = (x.shape[-1],)
         names = [f"{q}.{t}" for q in consumers for t in ("weight", "bias")]
-        if self.fold_norms and consumers and all(nm in self.params for nm in names):
-            if all(self.own(nm) for nm in [f"{prefix}.weight", f"{prefix}.bias"] + names):
-                return _norm(x, eps), (w, b)
-            if not (self.own(f"{prefix}.weight") or self.own(f"{prefix}.bias")
-                    or w.requires_grad or b.requires_grad):
-                return _norm(x, eps), (w, b)
+        affine = [f"{prefix}.weight", f"{prefix}.bias"]
+        if self.fold_norms and consumers and all(nm in self.params for nm in names) and (
+                all(self.own(nm) for nm in affine + names)  # all the clients' own
+                or not any(self.own(nm) or self.p(nm).requires_grad for nm in affine)):
+            return _norm(x, eps), (w, b)
         if not self.own(f"{prefix}.weight") and not self.own(f"{prefix}.bias"):
-            return _norm(x, eps, w, b), None
+            return F.layer_norm(x, shape, w, b, eps), None
         y = F.layer_norm(x, shape, None, None, eps)
         w = w.unsqueeze(1) if self.own(f"{prefix}.weight") else w
         b = b.unsqueeze(1) if self.own(f"{prefix}.bias") else b

@@ -176,6 +176,7 @@ if triton is not None:
             tl.store(DB + ob, zero, mask=md)
             tl.store(DB + ob + H * D, zero, mask=md)
 
+
 def _out_like(q: torch.Tensor) -> torch.Tensor:
     """A (B, H, N, D) tensor laid out as (B, N, H, D): the models' next reshape is a view."""
     b, h, n, d = q.shape
@@ -376,10 +377,11 @@ def _qk_v_backward_op(qk: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, out
     qk, v, bias, out, dout = (t.contiguous() for t in (qk, v, bias, out, dout))
     dqk = torch.empty_like(qk) if need_dqk else qk.new_empty(0)
     dv = torch.empty_like(v)
+    # without need_dqk the kernel writes no dq/dk: dv's views only fill the arguments
     dq, dk = _heads(dqk, heads, n, 2) if need_dqk else _heads(dv, heads, n, 1) * 2
     dbias = _packed_bwd(*_heads(qk, heads, n, 2), *_heads(v, heads, n, 1), dq, dk,
                         *_heads(dv, heads, n, 1), bias, out, dout, lse, heads, n, causal,
-                        need_dqk)
+                        need_dqk=need_dqk)
     return dqk, dv, dbias
 
 

@@ -74,7 +74,12 @@ from real_data.models import CharTransformerConfig, ViTConfig, build_model
 ta.DELTA_FROM_P = json.loads(sys.argv[2])  # the backward's row sums from P, or from O
 torch.manual_seed(0)
 rel = lambda a, r: float((a.detach().double() - r).abs().max() / r.abs().max())
-out = {"packed": [], "qk_v": [], "models": []}
+out = {"packed": [], "qk_v": [], "models": [], "need_dqk": []}
+_packed_bwd = ta._packed_bwd
+def spy(*a, need_dqk=True):  # which shared-q/k backwards computed dq and dk
+    out["need_dqk"].append(need_dqk)
+    return _packed_bwd(*a, need_dqk)
+ta._packed_bwd = spy
 for dt in (torch.float32, torch.float16):
     for C, B, n, H, D, causal in json.loads(sys.argv[1]):
         qkv0 = torch.randn(C, B * n, 3 * H * D, dtype=torch.float64)
@@ -153,6 +158,9 @@ def test_interpreted_packed_kernel_and_models_match_sdpa(delta_from_p):
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert len(out["packed"]) == 6 and len(out["qk_v"]) == 6 and len(out["models"]) == 6
+    # dv alone exactly in the value-only models' first blocks (one per model), where nothing
+    # below q and k takes a gradient
+    assert out["need_dqk"].count(False) == 2 and True in out["need_dqk"]
     for dt, e_out, e_qkv, e_bias, stride in out["packed"]:
         tol = 1e-5 if dt == "torch.float32" else 4e-3
         assert max(e_out, e_qkv, e_bias) < tol, (dt, e_out, e_qkv, e_bias)
