@@ -11,13 +11,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import tempfile
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
 import numpy as np
+
+from linattn.fileio import atomic_write_text
 
 CACHE_DIR = Path(__file__).resolve().parent / "out" / ".cache"
 _ROOT = Path(__file__).resolve().parent.parent
@@ -81,9 +81,5 @@ def cached(name: str, config: dict, compute: Callable[[], dict],
         except json.JSONDecodeError:
             path.unlink()  # a corrupt entry is recomputed
     result = compute()
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(result, fh, default=float)
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(result, default=float))
     return result, False

@@ -9,7 +9,7 @@ adds the stationary term of eq. (18). At (zeta, eta) of the validation's P4 poin
 - points: the simulator's floor (mean over the second half of the frozen rounds of
   F(M, V_t) - Phi(M), mean +- 2 SE over seeds) and its per-seed prediction D_frozen(M) + noise
   term, from the validation's own P4 code run at more values of K
-  (``simulations.validate._check_p4`` with the grid's ``floor_points`` replaced);
+  (``simulations.validate.check_p4`` with the grid's ``floor_points`` replaced);
 - the validation's P4 rows at other batch sizes, from ``validation.json``.
 
     python -m figures.fig4_frozen_floor [--quick] [--out DIR]
@@ -53,13 +53,13 @@ def compute_floors(grid, cache_dir=None) -> tuple[dict, bool]:
     def compute():
         from linattn_theory.errors import ParameterError
         from simulations.metrics import phi_star, population
-        from simulations.validate import _check_p4, _Problems
+        from simulations.validate import ProblemCache, check_p4
 
         zeta, lr = spec["heterogeneity"], spec["lr"]
         floor_grid = replace(grid, floor_points=tuple((zeta, k, lr)
                                                       for k in spec["local_steps"]),
                              floor_batch_sizes=(spec["batch_size"],))
-        rows = _check_p4(floor_grid, _Problems(floor_grid))["points"]
+        rows = check_p4(floor_grid, ProblemCache(floor_grid))["points"]
         theory = []
         for k in spec["theory_local_steps"]:
             st = grid_setting(grid, zeta, k, lr, total_rounds=grid.floor_rounds,

@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import yaml
 
 from figures.common import FigureError, FigureOutput, fmt
 from figures.style import new_figure, save, series_style
+from linattn.configio import load_yaml
 
 NAME = "fig7_real_data"
 # a study run's key: <arm>[-T0=<t>]/(alpha=<a> | natural)/seed=<s> (real_data.study._key)
@@ -98,7 +98,7 @@ def find_runs(root: Path) -> tuple[list[Run], list[str]]:
         if summary.get("status") != "completed":
             notes.append(f"{folder}: status {summary.get('status', 'unknown')}, skipped")
             continue
-        run = Run(folder, yaml.safe_load((folder / "config.yaml").read_text()) or {}, summary,
+        run = Run(folder, load_yaml(folder / "config.yaml") or {}, summary,
                   series)
         _label(run, folder.relative_to(root) if folder != root else Path(folder.name))
         runs.append(run)

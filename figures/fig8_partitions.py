@@ -29,7 +29,7 @@ SCHEMES = (("iid", {}), ("dirichlet", {"alpha": 1.0}), ("dirichlet", {"alpha": 0
 
 def dataset():
     """sklearn digits when scikit-learn is installed, else generated balanced labels."""
-    from real_data.errors import DataError
+    from linattn.errors import DataError
 
     try:
         from real_data.data import load_dataset

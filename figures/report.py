@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from figures.common import FigureOutput
+from linattn.fileio import atomic_write_text
 from simulations.report import format_value
 
 # THEORY.md section 4, the predictions the simulator must confirm or refute
@@ -127,7 +128,5 @@ def write_report(out_dir: Path, result: dict, grid, figures: list[FigureOutput],
     parts += ["", f"Cached intermediate results: `{timing['cache_dir']}` (keyed by a hash of "
               "their configuration and of the theory and simulator sources).", ""]
     path = out_dir / "report.md"
-    tmp = path.with_suffix(".md.tmp")
-    tmp.write_text("\n".join(parts))
-    os.replace(tmp, path)
+    atomic_write_text(path, "\n".join(parts))
     return path

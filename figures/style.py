@@ -6,14 +6,14 @@ apart by line style and marker as well as grey level, so the figures read in gre
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+from linattn.fileio import atomic_path
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
 
@@ -66,14 +66,8 @@ def save(fig, name: str, out_dir: Path | None = None, tight: bool = True,
     paths = []
     for ext in ("png", "pdf"):
         target = out / f"{name}.{ext}"
-        fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{name}.", suffix=f".{ext}")
-        os.close(fd)
-        try:
+        with atomic_path(target) as tmp:
             fig.savefig(tmp, format=ext, **({"dpi": dpi} if dpi and ext == "png" else {}))
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
         paths.append(target)
     plt.close(fig)
     return paths

@@ -14,14 +14,13 @@ import sys
 
 # subcommand -> (module, one-line help)
 ROUTES: dict[str, tuple[str, str]] = {
-    "warmup": ("figures.warmup_cli",
+    "warmup": ("linattn.theory_cli",
                "optimal warm-up length T0* from constants or a problem file"),
-    "theory": ("linattn_theory.cli", "analytic quantities of a problem (losses, Phi*, D_frozen)"),
+    "theory": ("linattn.theory_cli", "analytic quantities of a problem (losses, Phi*, D_frozen)"),
     "simulate": ("simulations.cli", "synthetic federated simulator: run, sweep, validate P1-P6"),
     "data": ("real_data.cli", "fetch, verify and list the real data sets"),
     "run": ("real_data.cli", "one federated run on real data from a YAML config"),
     "sweep": ("real_data.cli", "a grid of federated runs sharing data and warm-up checkpoints"),
-    "bench": ("real_data.cli", "engine benchmark: vectorized vs sequential"),
     "pretrain": ("real_data.cli", "central pretraining on a source data set (FedSQ's S)"),
     "study": ("real_data.cli", "the real-data validation study from a plan file"),
     "reproduce": ("figures.cli", "the main job: theory + simulation checks, figures, report"),

@@ -33,12 +33,12 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from linattn_theory.dynamics import InitialPoint, _rounds, _warmup_paths, initial_point
+from linattn_theory.dynamics import InitialPoint, initial_point, round_maps, warmup_paths_full
 from linattn_theory.frozen import frozen_stages
-from linattn_theory.objectives import _pooled_kernel_gradient, local_gradients, pooled_terms
+from linattn_theory.objectives import local_gradients, pooled_kernel_gradient, pooled_terms
 from linattn_theory.problem import Problem
 from linattn_theory.profile import solve_profile
-from linattn_theory.warmup import WarmupConstants
+from linattn_theory.warmup_constants import WarmupConstants
 
 
 @dataclass(frozen=True)
@@ -284,7 +284,7 @@ def estimate_constants(problem: Problem, lr: float, local_steps: int, total_roun
         probe_rounds = min(total_rounds, 20) if probe_rounds is None else probe_rounds
         points = min(points, 5)
     rounds = int(total_rounds if probe_rounds is None else probe_rounds)
-    kernels, values, ref_kernels, _, (ref_hess, ref_lin, ref_const) = _warmup_paths(
+    kernels, values, ref_kernels, _, (ref_hess, ref_lin, ref_const) = warmup_paths_full(
         problem, start, lr, local_steps, rounds)
     idx = np.unique(np.linspace(0, rounds, min(points, rounds + 1)).astype(int))
 
@@ -294,7 +294,7 @@ def estimate_constants(problem: Problem, lr: float, local_steps: int, total_roun
     ref_phi_all = ref_const - 0.5 * np.sum(ref_lin * ref_opt, axis=(1, 2))
     delta0 = float(ref_phi_all[0] - phi_star)
     ref_phi = ref_phi_all[idx]
-    grads = _pooled_kernel_gradient(problem, ref_kernels[idx], ref_opt[idx])
+    grads = pooled_kernel_gradient(problem, ref_kernels[idx], ref_opt[idx])
     grad_sq = np.sum(grads.reshape(idx.size, -1) ** 2, axis=1)
     gap = ref_phi - phi_star
     usable = gap > gap_floor * max(delta0, 1e-300)
@@ -323,7 +323,7 @@ def estimate_constants(problem: Problem, lr: float, local_steps: int, total_roun
     # reference round from (M_0, V_0) = (M_bar_0, V_bar_0) is the reference's first point;
     # the other rounds run as one batch
     fed_new, ref_new = idx >= rounds, (idx > 0) | (rounds == 0)
-    fedavg, reference = _rounds(problem, (m[fed_new], v[fed_new]), (m[ref_new], v[ref_new]),
+    fedavg, reference = round_maps(problem, (m[fed_new], v[fed_new]), (m[ref_new], v[ref_new]),
                                 lr, local_steps)
     fed_kernels, ref_round = kernels[np.minimum(idx + 1, rounds)], ref_kernels[np.minimum(
         idx + 1, rounds)]

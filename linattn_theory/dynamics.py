@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from linattn_theory.errors import ParameterError, require
-from linattn_theory.frozen import _check_steps, frozen_stages
-from linattn_theory.objectives import _gradient_kernel, pooled_terms
+from linattn_theory.frozen import check_steps, frozen_stages
+from linattn_theory.objectives import gradient_kernel, pooled_terms
 from linattn_theory.problem import Problem
 
 PARAMETRIZATIONS = ("merged", "factored")
@@ -69,7 +69,7 @@ def initial_point(problem: Problem, scale: float = 0.3, parametrization: str = "
     return InitialPoint(kernel=query @ key.T, value=value, query=query, key=key)
 
 
-def _rounds(problem: Problem, state: tuple, ref: tuple, lr: float, local_steps: int):
+def round_maps(problem: Problem, state: tuple, ref: tuple, lr: float, local_steps: int):
     """Rounds of FedAvg (eq. 19) and of the drift-free reference (eq. 20), batched together.
 
     ``state`` and ``ref`` hold parameters ((M, V) merged, (W_Q, W_K, V) factored) with a
@@ -112,11 +112,11 @@ def _local_steps(problem: Problem, local: list, fed: int, lr: float, local_steps
     for _ in range(local_steps):
         if merged:
             # eta grad L_m (the kernel returns it scaled)
-            grads = _gradient_kernel(covariances, products, n, local[0], local[1], lr)[:2]
+            grads = gradient_kernel(covariances, products, n, local[0], local[1], lr)[:2]
         else:
             query, key, value = local
             kernel = query @ key.mT
-            grad_m, grad_v, _ = _gradient_kernel(covariances, products, n, kernel, value, lr)
+            grad_m, grad_v, _ = gradient_kernel(covariances, products, n, kernel, value, lr)
             grad_m += (lr * problem.kernel_ridge) * kernel
             grads = (grad_m @ key, grad_m.mT @ query, grad_v)
         for x, g, shape, a in zip(local, grads, shapes, shrink):
@@ -139,7 +139,7 @@ def one_round(problem: Problem, kernel: np.ndarray, value: np.ndarray, lr: float
     v = np.array(value, dtype=np.float64)
     single = m.ndim == 2
     state = (m[None], v[None]) if single else (m, v)
-    fedavg, reference = _rounds(problem, state, state, lr, local_steps)
+    fedavg, reference = round_maps(problem, state, state, lr, local_steps)
     if single:
         return tuple(x[0] for x in fedavg), tuple(x[0] for x in reference)
     return fedavg, reference
@@ -155,13 +155,13 @@ def warmup_paths(problem: Problem, start: InitialPoint, lr: float, local_steps: 
     reference_kernels : ndarray, shape (rounds+1, d, d)
         M_bar_t.
     """
-    return _warmup_paths(problem, start, lr, local_steps, rounds)[:3]
+    return warmup_paths_full(problem, start, lr, local_steps, rounds)[:3]
 
 
-def _warmup_paths(problem: Problem, start: InitialPoint, lr: float, local_steps: int,
-                  rounds: int):
+def warmup_paths_full(problem: Problem, start: InitialPoint, lr: float, local_steps: int,
+                      rounds: int):
     """:func:`warmup_paths` plus the reference's values and its pooled H, C, c (eq. 10)."""
-    _check_steps(lr, local_steps)
+    check_steps(lr, local_steps)
     if start.parametrization == "merged":
         params = (start.kernel, start.value)
     else:
@@ -292,7 +292,7 @@ def population_dynamics(problem: Problem, start: InitialPoint, lr: float, local_
     require(bool(np.all((t0s >= 0) & (t0s <= total_rounds))), "warmup_rounds", t0s.tolist(),
             f"integers in [0, total_rounds={total_rounds}]")
     horizon = int(t0s.max())
-    kernels, values, ref_kernels, _, (ref_hess, ref_lin, ref_const) = _warmup_paths(
+    kernels, values, ref_kernels, _, (ref_hess, ref_lin, ref_const) = warmup_paths_full(
         problem, start, lr, local_steps, horizon)
 
     # per-round kernel quantities along the shared warm-up prefix (eq. 10)

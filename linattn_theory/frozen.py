@@ -25,7 +25,7 @@ from linattn_theory.objectives import value_quadratic
 from linattn_theory.problem import Problem
 
 
-def _check_steps(lr: float, local_steps: int) -> None:
+def check_steps(lr: float, local_steps: int) -> None:
     require(np.isfinite(lr) and lr > 0, "lr", lr, "a positive step size eta")
     require(isinstance(local_steps, int | np.integer) and local_steps >= 1, "local_steps",
             local_steps, "an integer K >= 1")
@@ -40,7 +40,7 @@ def local_value_maps(hessians: np.ndarray, lr: float, local_steps: int, ridge: f
     for some client (the local GD map would expand); the check is a Cholesky factorisation
     of 2/eta I - H'_m, with the eigenvalues computed only for the error message.
     """
-    _check_steps(lr, local_steps)
+    check_steps(lr, local_steps)
     d = hessians.shape[-1]
     eye = np.eye(d)
     shifted = hessians + ridge * eye

@@ -91,7 +91,7 @@ def value_quadratic(problem: Problem, kernel: np.ndarray):
         problem.teacher_products.constants
 
 
-def _whitened(problem: Problem, m: np.ndarray):
+def whiten(problem: Problem, m: np.ndarray):
     """Z_m = R_m^T M and W_m = Z_m S_m (S_m = R_m R_m^T) for kernels (..., d, d) shared by
     the clients; shapes (..., C, d, d). Then S_m M^T S_m M S_m = W_m^T W_m,
     tr(M^T S_m M S_m) = <Z_m, W_m> and S_m M S_m = R_m W_m."""
@@ -107,7 +107,7 @@ def pooled_terms(problem: Problem, kernels: np.ndarray, whitened=None):
     ----------
     kernels : ndarray, shape (..., d, d)
     whitened : tuple, optional
-        :func:`_whitened` of ``kernels`` when the caller has it.
+        :func:`whiten` of ``kernels`` when the caller has it.
 
     Returns
     -------
@@ -121,7 +121,7 @@ def pooled_terms(problem: Problem, kernels: np.ndarray, whitened=None):
     d, dy, c = problem.dim, problem.out_dim, problem.num_clients
     s, n, p = problem.covariances, problem.context_length, problem.weights
     t = problem.teacher_products
-    z, w = _whitened(problem, m) if whitened is None else whitened
+    z, w = whiten(problem, m) if whitened is None else whitened
     trace = np.vecdot(z.reshape(*lead, c, d * d), w.reshape(*lead, c, d * d))   # (..., C)
     # sum_m p_m W_m^T W_m as one product over the stacked (client, row) axis
     wp = (np.sqrt(p)[:, None, None] * w).reshape(*lead, c * d, d)
@@ -142,11 +142,11 @@ def _value_terms(problem: Problem, m: np.ndarray, v: np.ndarray):
 
     ``m`` and ``v`` have shapes (..., C, d, d) and (..., C, d, d_y): leading axes batch.
     """
-    return _gradient_kernel(problem.covariances, problem.teacher_products,
+    return gradient_kernel(problem.covariances, problem.teacher_products,
                             problem.context_length, m, v)
 
 
-def _gradient_kernel(s, t, n: int, m: np.ndarray, v: np.ndarray, scale: float = 1.0):
+def gradient_kernel(s, t, n: int, m: np.ndarray, v: np.ndarray, scale: float = 1.0):
     """(grad_M L_m, grad_V L_m, u = S V) without ridges, for per-client (M_m, V_m).
 
     Both gradients come multiplied by ``scale`` (a step size, saving a pass over them).
@@ -271,14 +271,14 @@ def pooled_gradients(problem: Problem, kernels: np.ndarray, values: np.ndarray):
     m = np.asarray(kernels, dtype=np.float64)
     v = np.asarray(values, dtype=np.float64)
     hessian, linear, _ = pooled_terms(problem, m)
-    return _pooled_kernel_gradient(problem, m, v), hessian @ v - linear
+    return pooled_kernel_gradient(problem, m, v), hessian @ v - linear
 
 
-def _pooled_kernel_gradient(problem: Problem, m: np.ndarray, v: np.ndarray,
+def pooled_kernel_gradient(problem: Problem, m: np.ndarray, v: np.ndarray,
                             whitened=None) -> np.ndarray:
     """grad_M F at shared points (see :func:`pooled_gradients`); leading axes batch.
 
-    With W_m of :func:`_whitened` (S_m M S_m = R_m W_m, S_m M u_m = R_m W_m V) the client sum
+    With W_m of :func:`whiten` (S_m M S_m = R_m W_m, S_m M u_m = R_m W_m V) the client sum
     is one product over the stacked (client, row) axis:
     sum_m p_m [(1 + 1/n) (S M u_m) u_m^T + tr(V^T u_m)/n S M S] = sum_m R_m Y_m with
     Y_m = p_m [(1 + 1/n) (W_m V) u_m^T + tr(V^T u_m)/n W_m].
@@ -287,7 +287,7 @@ def _pooled_kernel_gradient(problem: Problem, m: np.ndarray, v: np.ndarray,
     d, dy, c = problem.dim, problem.out_dim, problem.num_clients
     s, n, p = problem.covariances, problem.context_length, problem.weights
     t = problem.teacher_products
-    w = (_whitened(problem, m) if whitened is None else whitened)[1]
+    w = (whiten(problem, m) if whitened is None else whitened)[1]
     u = (s.reshape(c * d, d) @ v).reshape(*lead, c, d, dy)     # S_m V
     wv = (w.reshape(*lead, c * d, d) @ v).reshape(*lead, c, d, dy)
     wv *= ((1 + 1 / n) * p)[:, None, None]

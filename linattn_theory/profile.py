@@ -20,7 +20,7 @@ from scipy.linalg import lapack
 from scipy.optimize import minimize
 
 from linattn_theory.errors import ParameterError
-from linattn_theory.objectives import _pooled_kernel_gradient, _whitened, pooled_terms
+from linattn_theory.objectives import pooled_kernel_gradient, pooled_terms, whiten
 from linattn_theory.problem import Problem
 
 
@@ -69,21 +69,21 @@ def profile_gradient(problem: Problem, kernel: np.ndarray) -> np.ndarray:
 def profile_gradients(problem: Problem, kernels: np.ndarray):
     """(Phi(M_i), grad Phi(M_i), V*(M_i)) for a stack of kernels (..., d, d), batched."""
     m = np.asarray(kernels, dtype=np.float64)
-    whitened = _whitened(problem, m)
+    whitened = whiten(problem, m)
     hessian, linear, constant = pooled_terms(problem, m, whitened)
     v_star = np.linalg.solve(hessian, linear)
     values = constant - 0.5 * np.sum(linear * v_star, axis=(-2, -1))
-    return values, _pooled_kernel_gradient(problem, m, v_star, whitened), v_star
+    return values, pooled_kernel_gradient(problem, m, v_star, whitened), v_star
 
 
 def profile_and_gradient(problem: Problem, kernel: np.ndarray):
     """(Phi(M), grad Phi(M)) sharing one solve."""
     m = np.asarray(kernel, dtype=np.float64)
-    whitened = _whitened(problem, m)
+    whitened = whiten(problem, m)
     hessian, linear, constant = pooled_terms(problem, m, whitened)
     v_star = _solve_spd(hessian, linear)
     value = float(constant) - 0.5 * float(np.vecdot(linear.ravel(), v_star.ravel()))
-    return value, _pooled_kernel_gradient(problem, m, v_star, whitened)
+    return value, pooled_kernel_gradient(problem, m, v_star, whitened)
 
 
 @dataclass(frozen=True)

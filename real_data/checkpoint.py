@@ -7,13 +7,13 @@ resumes identically as well. Files are written atomically (temporary file, then 
 
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from linattn.fileio import atomic_path
 from real_data.federation import FedState
 
 
@@ -44,12 +44,8 @@ def save_checkpoint(path: Path, state: FedState, extra: dict) -> None:
                "client_state": state.client_state, "server_state": state.server_state,
                "prev_grad_norm_last": state.prev_grad_norm_last, "rng": rng_states(),
                "extra": extra}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save(payload, tmp)
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        torch.save(payload, tmp)
 
 
 def load_checkpoint(path: Path, device: torch.device) -> tuple[FedState, dict, dict]:

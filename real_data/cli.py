@@ -1,7 +1,7 @@
 """``linattn run | sweep | bench | study | data | pretrain``: the real-data commands.
 
 ``linattn.cli`` routes here with ``argv[0]`` the subcommand. Bad input raises
-:class:`~real_data.errors.UserError` (exit 2 through the router); a diverged run exits 1.
+:class:`~linattn.errors.UserError` (exit 2 through the router); a diverged run exits 1.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _run(argv: list[str]) -> int:
                     help="under torchrun: shard each round's clients over the processes")
     ap.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
     args = ap.parse_args(argv)
-    from real_data.errors import UserError
+    from linattn.errors import UserError
     from real_data.runs import resume_run, start_run
 
     cfg = None
@@ -90,12 +90,6 @@ def _sweep(argv: list[str]) -> int:
     return 0 if all(r.status == "completed" for r in results) else 1
 
 
-def _bench(argv: list[str]) -> int:
-    from real_data.bench import main as bench_main
-
-    return bench_main(argv)
-
-
 def _pretrain(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(
         prog="linattn pretrain",
@@ -117,8 +111,8 @@ def _pretrain(argv: list[str]) -> int:
     ap.add_argument("overrides", nargs="*", metavar="key=value",
                     help="dotted overrides of the run config (model.*, train.device, ...)")
     args = ap.parse_args(argv)
+    from linattn.errors import UserError
     from real_data.config import load_config
-    from real_data.errors import UserError
     from real_data.pretrain import PretrainSettings, run_pretrain
 
     if args.out.exists():
@@ -136,8 +130,8 @@ def _study(argv: list[str]) -> int:
     import argparse
     from pathlib import Path
 
+    from linattn.errors import UserError
     from real_data import study
-    from real_data.errors import UserError
 
     ap = argparse.ArgumentParser(prog="linattn study", description=study.__doc__.splitlines()[0])
     ap.add_argument("--plan", required=True, help="plan YAML, or the name of a shipped plan")
@@ -229,7 +223,7 @@ def _data(argv: list[str]) -> int:
     return int(data_cli.main(argv) or 0)
 
 
-COMMANDS = {"run": _run, "sweep": _sweep, "bench": _bench, "study": _study, "data": _data,
+COMMANDS = {"run": _run, "sweep": _sweep, "study": _study, "data": _data,
             "pretrain": _pretrain}
 
 
@@ -237,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; ``argv[0]`` is the subcommand (``run``, ``sweep``, ...)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS:
-        from real_data.errors import UserError
+        from linattn.errors import UserError
 
         raise UserError(f"unknown command {argv[:1]}; valid: {', '.join(COMMANDS)}")
     if argv[0] == "data":

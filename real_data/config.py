@@ -1,7 +1,7 @@
 """Run configuration: frozen dataclasses loaded from YAML with dotted ``key=value`` overrides.
 
 Every key is type-checked against its dataclass field; unknown keys, wrong types and impossible
-values raise :class:`~real_data.errors.ConfigError` naming the key and the allowed values. The
+values raise :class:`~linattn.errors.ConfigError` naming the key and the allowed values. The
 ``model`` and ``algorithm`` sections hold a ``name`` plus the fields of that model's or
 algorithm's own parameter dataclass (looked up in the registries).
 
@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-import yaml
 
-from real_data.errors import ConfigError
+from linattn.configio import load_yaml, parse_overrides
+from linattn.errors import ConfigError
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
@@ -305,20 +305,6 @@ def _plain(x):
     return x
 
 
-def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """``["train.lr=0.1", "algorithm.name=fedavg"]`` -> ``{"train.lr": 0.1, ...}`` (YAML values)."""
-    out = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"override {item!r} is not of the form key=value")
-        try:
-            out[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"override {item!r}: value is not valid YAML ({exc})") from None
-    return out
-
-
 def apply_overrides(data: dict, overrides: dict[str, Any]) -> dict:
     """Set dotted keys in a nested mapping (copying it).
 
@@ -358,8 +344,5 @@ def find_config(path_or_name: str) -> Path:
 def load_config(path_or_name: str, overrides: list[str] | None = None) -> Config:
     """Read a YAML config, apply dotted overrides, check everything."""
     path = find_config(path_or_name)
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML ({exc})") from None
-    return config_from_dict(apply_overrides(data, parse_overrides(overrides or [])))
+    data = load_yaml(path) or {}
+    return config_from_dict(apply_overrides(data, dict(parse_overrides(overrides or []))))

@@ -13,7 +13,7 @@ import argparse
 import importlib.util
 import time
 
-from real_data.errors import DataError
+from linattn.errors import DataError
 
 FETCH_ALL = ("fmnist", "mnist", "shakespeare")
 

@@ -41,8 +41,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from linattn.configio import load_yaml
+from linattn.errors import UserError
 from real_data.engines import ClientResults
-from real_data.errors import UserError
 
 REDUCIBLE: dict[str, Callable[[dict], bool]] = {
     "fedavg": lambda server_state: True,
@@ -213,7 +214,7 @@ def init_from_env(timeout: timedelta | None = None) -> ShardTrainer:
 
 
 def _check_device(cfg, trainer: ShardTrainer) -> None:
-    from real_data.errors import ConfigError
+    from linattn.errors import ConfigError
 
     want = cfg.train.device
     ok = want in ("auto", "cuda") if trainer.device.type == "cuda" else want in ("auto", "cpu")
@@ -253,11 +254,10 @@ def _lead(trainer: ShardTrainer, cfg, out, resume):
         if resume is not None:
             saved = Path(resume) / "config.yaml"
             if saved.exists():  # otherwise resume_run raises the right error
-                import yaml
 
                 from real_data.config import config_from_dict
 
-                _check_device(config_from_dict(yaml.safe_load(saved.read_text())), trainer)
+                _check_device(config_from_dict(load_yaml(saved)), trainer)
             result = resume_run(resume, trainer=trainer)
         else:
             _check_device(cfg, trainer)

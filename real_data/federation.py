@@ -15,6 +15,7 @@ import torch
 
 from real_data.algorithms import AlgorithmContext, get_algorithm
 from real_data.config import Config
+from real_data.device import resolve_device
 from real_data.engines import BatchPlanner, LocalJob, OptimizerSpec, get_engine
 from real_data.metrics import (
     evaluate,
@@ -62,13 +63,6 @@ def sample_clients(seed: int, rnd: int, num_clients: int, per_round: int | None)
         return np.arange(num_clients)
     rng = np.random.default_rng([seed, rnd])
     return np.sort(rng.choice(num_clients, size=per_round, replace=False))
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` -> CUDA when available, else CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 class Federation:

@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from linattn.errors import ConfigError, UserError
 from real_data.engines.base import task_loss
-from real_data.errors import ConfigError, UserError
 from real_data.metrics import evaluate
 
 
@@ -157,7 +157,7 @@ def run_pretrain(cfg, settings: PretrainSettings, out: Path, dataset=None) -> di
     Returns the meta dict written beside the parameters (source, settings, accuracy, wall
     time, provenance).
     """
-    from real_data.federation import resolve_device
+    from real_data.device import resolve_device
     from real_data.models import build_model, complete_model_config
     from real_data.rundir import provenance
 

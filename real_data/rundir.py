@@ -19,7 +19,6 @@ Layout::
 from __future__ import annotations
 
 import csv
-import json
 import os
 import platform
 import subprocess
@@ -30,11 +29,13 @@ import numpy as np
 import torch
 import yaml
 
+from linattn.fileio import atomic_write_json, atomic_write_text
+
 HEADER = "round,client,metric,value\n"
 
 
 def write_yaml(path: Path, data: dict) -> None:
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    atomic_write_text(path, yaml.safe_dump(data, sort_keys=False))
 
 
 def _fmt(v) -> str:
@@ -65,9 +66,7 @@ def truncate_rows(path: Path, last_round: int) -> None:
     keep = lines[:1] + [ln for ln in lines[1:]
                         if ln.strip() and ln.endswith("\n") and int(ln.split(",", 1)[0])
                         <= last_round]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(keep))
-    os.replace(tmp, path)
+    atomic_write_text(path, "".join(keep))
 
 
 def read_global_metrics(path: Path) -> dict[str, list[tuple[int, float]]]:
@@ -143,6 +142,5 @@ def plot_curves(metrics_path: Path, out: Path, title: str) -> None:
 
 
 def write_json(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    os.replace(tmp, path)
+    """``data`` as JSON, atomically (mode 0644; integer counts stay integers)."""
+    atomic_write_json(path, data)

@@ -21,10 +21,11 @@ from pathlib import Path
 
 import torch
 
+from linattn.configio import load_yaml
+from linattn.errors import ConfigError, UserError
 from real_data import rundir
 from real_data.checkpoint import load_checkpoint, restore_rng_states, save_checkpoint
 from real_data.config import Config, config_from_dict, config_to_dict
-from real_data.errors import ConfigError, UserError
 from real_data.federation import Diverged, Federation, FedState
 
 FAULT_ENV = "LINATTN_FAULT_PAUSE_BEFORE_CHECKPOINT"
@@ -153,9 +154,8 @@ def resume_run(run_dir: Path, trainer=None) -> RunResult:
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").exists():
         raise UserError(f"{run_dir} is not a run directory (no config.yaml)")
-    import yaml
 
-    cfg = config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    cfg = config_from_dict(load_yaml(run_dir / "config.yaml"))
     dataset = load_data(cfg)
     from real_data.data import load_partition
 

@@ -50,7 +50,6 @@ import csv
 import dataclasses
 import fnmatch
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,7 +57,9 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from real_data.errors import ConfigError, UserError
+from linattn.configio import load_yaml
+from linattn.errors import ConfigError, UserError
+from linattn.fileio import atomic_path, atomic_write_text
 
 LAST_ROUNDS = 10  # window for the accuracy variance: the last 10 evaluations (eval.every apart)
 
@@ -140,7 +141,7 @@ def load_plan(path: Path | str, out_dir: Path | str | None = None) -> Plan:
         _require(shipped.is_file(), "--plan", f"{path} not found (nor {shipped})")
         path = shipped
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = load_yaml(path) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML ({exc})") from None
     _require(isinstance(raw, dict), str(path), "must be a mapping")
@@ -339,11 +340,10 @@ def ensure_pretrained(plan: Plan, specs: list[RunSpec], log=print,
         if path.is_file():
             continue
         log(f"pretrain {job.name} on {job.source} -> {path}")
-        tmp = path.with_suffix(f".tmp{os.getpid()}.pt")  # workers never share a temporary
         settings = PretrainSettings(job.source, epochs=job.epochs, seed=job.seed,
                                     exclude_largest_groups=job.exclude_largest_groups)
-        meta = run_pretrain(load_config(job.config, list(job.overrides)), settings, tmp)
-        tmp.replace(path)
+        with atomic_path(path) as tmp:  # a unique temporary per writer
+            meta = run_pretrain(load_config(job.config, list(job.overrides)), settings, tmp)
         log(f"pretrain {job.name}: source test_acc {meta['source_test_acc']:.4f} "
             f"({meta['samples']} samples, {meta['wall_time_s']:.0f} s)")
         written.append(path)
@@ -657,7 +657,7 @@ def _kernel_deviations(plan, sweep_name, arm_name, t0, alpha, specs) -> list[flo
         a = source / "checkpoints" / f"round_{t0}.pt"
         b = ref / "checkpoints" / f"round_{t0}.pt"
         if a.is_file() and b.is_file():
-            heads = int(yaml.safe_load((source / "config.yaml").read_text())["model"]["heads"])
+            heads = int(load_yaml(source / "config.yaml")["model"]["heads"])
             out.append(kernel_deviation(a, b, heads))
     return out
 
@@ -673,7 +673,7 @@ def _reference_dir(plan: Plan, sweep: Sweep, ref: Arm, alpha, seed: int, t0: int
         cand = plan.out_dir / _key(sweep.name, ref.name, None, other, seed)
         if not (cand / "checkpoints" / f"round_{t0}.pt").is_file():
             continue
-        scheme = yaml.safe_load((cand / "config.yaml").read_text())["partition"]["scheme"]
+        scheme = load_yaml(cand / "config.yaml")["partition"]["scheme"]
         if scheme in ("iid", "natural"):
             return cand
     return own
@@ -700,7 +700,7 @@ def write_tables(rows: list[dict], out_dir: Path, runs: list[dict] | None = None
     paths = [out_dir / "study.csv", out_dir / "study.json", out_dir / "study.md"]
     if rows:
         _write_csv(rows, paths[0])
-    paths[1].write_text(json.dumps(rows, indent=1))
+    atomic_write_text(paths[1], json.dumps(rows, indent=1))
     lines = ["| sweep | alpha | arm | T0 | n | final acc | best acc | rounds to best | "
              "personal acc | acc var (last 10 evals) | grad-norm jump | kernel dev (n) | MB up | "
              "TFLOPs | s/round |", "|" + "---|" * 15]
@@ -718,7 +718,7 @@ def write_tables(rows: list[dict], out_dir: Path, runs: list[dict] | None = None
             f"{_n_suffix(r.get('kernel_deviation_n'))} | "
             f"{(r['bytes_up_mean'] or 0) / 1e6:.1f} | {(r['train_flops_mean'] or 0) / 1e12:.2f} "
             f"| {_fmt(r['seconds_per_round_mean'], r['seconds_per_round_std'])} |")
-    paths[2].write_text("\n".join(lines) + "\n")
+    atomic_write_text(paths[2], "\n".join(lines) + "\n")
     if runs is not None:
         paths += _write_run_tables(runs, out_dir)
     return paths
@@ -755,7 +755,7 @@ def _write_run_tables(runs: list[dict], out_dir: Path) -> list[Path]:
             f"{r['n']} | {100 * r['diff_mean']:+.2f}"
             + (f" +- {100 * se:.2f}" if se is not None else "") + " | "
             + (f"{r['diff_mean'] / se:+.1f}" if se else "-") + " |")
-    paths[2].write_text("\n".join(lines) + "\n")
+    atomic_write_text(paths[2], "\n".join(lines) + "\n")
     return paths
 
 
@@ -774,8 +774,6 @@ def pack_results(plan: Plan, dest: Path) -> dict:
     import torch
 
     dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
     counts = {"runs": 0, "snapshots": 0}
 
     def add_bytes(tar, name: str, data: bytes) -> None:
@@ -783,7 +781,7 @@ def pack_results(plan: Plan, dest: Path) -> dict:
         info.size = len(data)
         tar.addfile(info, io.BytesIO(data))
 
-    with tarfile.open(tmp, "w:gz", compresslevel=6) as tar:
+    with atomic_path(dest) as tmp, tarfile.open(tmp, "w:gz", compresslevel=6) as tar:
         for spec in plan_runs(plan):
             if _status(spec.run_dir) not in FINAL or not (spec.run_dir / "metrics.csv").is_file():
                 continue  # unfinished, or only a marker of a run finished elsewhere
@@ -803,7 +801,6 @@ def pack_results(plan: Plan, dest: Path) -> dict:
                 torch.save({"global_params": qk}, buf)
                 add_bytes(tar, f"{spec.key}/checkpoints/{snap.name}", buf.getvalue())
                 counts["snapshots"] += 1
-    tmp.replace(dest)
     return counts
 
 
@@ -819,10 +816,8 @@ def write_markers(plan: Plan, dest: Path) -> int:
     for s in plan_runs(plan):
         groups.setdefault((s.sweep.name, s.arm.name, s.alpha, s.seed), []).append(s)
     dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
     marked = 0
-    with tarfile.open(tmp, "w:gz") as tar:
+    with atomic_path(dest) as tmp, tarfile.open(tmp, "w:gz") as tar:
         for members in groups.values():
             if all(_status(m.run_dir) in FINAL for m in members):
                 for m in members:
@@ -832,7 +827,6 @@ def write_markers(plan: Plan, dest: Path) -> int:
         for job in plan.pretrain:
             if plan.pretrained_path(job).is_file():
                 tar.add(plan.pretrained_path(job), arcname=f"pretrained/{job.name}.pt")
-    tmp.replace(dest)
     return marked
 
 

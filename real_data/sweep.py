@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from linattn.errors import ConfigError
 from real_data import rundir
 from real_data.algorithms import get_algorithm
 from real_data.config import Config, Named, build_dataclass
-from real_data.errors import ConfigError
 from real_data.runs import RunResult, load_data, make_partition_for, start_run
 
 

@@ -20,15 +20,15 @@ Timings on these shared machines varied by up to 1.5x between runs.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import shutil
 import time
 from pathlib import Path
 
+from linattn.fileio import atomic_write_json
 from simulations.engine import simulate
 from simulations.loop import run_single
-from simulations.validate import Grid, _grid_settings, _Problems, run_validation
+from simulations.validate import Grid, ProblemCache, grid_settings, run_validation
 
 
 def run_bench(out_dir, loop_seeds: int | None = None, quick: bool = False) -> dict:
@@ -42,7 +42,7 @@ def run_bench(out_dir, loop_seeds: int | None = None, quick: bool = False) -> di
     validation = run_validation(grid)
     validate_s = time.perf_counter() - clock
 
-    settings = _grid_settings(grid, _Problems(grid))
+    settings = grid_settings(grid, ProblemCache(grid))
     clock = time.perf_counter()
     simulate(settings, seeds)
     vector_s = time.perf_counter() - clock
@@ -74,7 +74,7 @@ def run_bench(out_dir, loop_seeds: int | None = None, quick: bool = False) -> di
     }
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_simulator.json").write_text(json.dumps(result, indent=1))
+    atomic_write_json(out / "bench_simulator.json", result, indent=1)
     shutil.copy(__file__, out / "bench_simulator_source.py")
     rows = [("validate (P1-P6, all)", validate_s), ("vectorized grid simulation", vector_s),
             (f"plain loop, same runs{' (scaled)' if result['loop_extrapolated'] else ''}",

@@ -13,13 +13,8 @@ import types
 import typing
 from dataclasses import asdict, dataclass, field, fields
 
-import yaml
-
-
-class ConfigError(ValueError):
-    """A bad config key or value; ``user_error`` makes the CLI exit with status 2."""
-
-    user_error = True
+from linattn.configio import load_yaml, parse_overrides
+from linattn.errors import ConfigError
 
 
 def _check(condition: bool, key: str, value, allowed: str) -> None:
@@ -201,26 +196,12 @@ def _set(raw: dict, key: str, value) -> dict:
     return {**raw, parts[0]: section}
 
 
-def parse_overrides(items: list[str]) -> list[tuple[str, object]]:
-    """``key=value`` strings -> (key, YAML-parsed value) pairs."""
-    out = []
-    for item in items:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} is not key=value (e.g. training.lr=0.05)")
-        key, text = item.split("=", 1)
-        try:
-            out.append((key.strip(), yaml.safe_load(text)))
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"override {key}: cannot parse value {text!r} ({exc})") from exc
-    return out
-
-
 def expand(raw: dict, overrides: list[str] = ()) -> tuple[list[SimConfig], dict]:
     """Apply ``key=value`` overrides (``sweep.KEY=[...]`` sets a sweep list) to a raw mapping
     and expand the sweep; returns (configs, sweep). All configs are checked."""
     _check(isinstance(raw, dict), "config", type(raw).__name__, "a mapping")
     raw = dict(raw)
-    for key, value in parse_overrides(list(overrides)):
+    for key, value in parse_overrides(list(overrides), example="training.lr=0.05"):
         if key.startswith("sweep."):
             raw["sweep"] = {**(raw.get("sweep") or {}), key[len("sweep."):]: value}
         else:
@@ -239,11 +220,4 @@ def expand(raw: dict, overrides: list[str] = ()) -> tuple[list[SimConfig], dict]
 
 def load_config(path, overrides: list[str] = ()) -> tuple[list[SimConfig], dict]:
     """Read a YAML config, apply overrides, expand the sweep; returns (configs, sweep)."""
-    try:
-        with open(path) as fh:
-            raw = yaml.safe_load(fh) or {}
-    except OSError as exc:
-        raise ConfigError(f"config file {path}: {exc.strerror}") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
-    return expand(raw, overrides)
+    return expand(load_yaml(path) or {}, overrides)

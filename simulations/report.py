@@ -3,10 +3,11 @@ table) and figures (matplotlib, imported only here)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
+
+from linattn.fileio import atomic_write_json, atomic_write_text
 
 
 def _jsonable(x):
@@ -61,7 +62,7 @@ def write_validation(result: dict, out_dir) -> Path:
     """Write JSON, markdown and figures into ``out_dir``; returns the directory."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "validation.json").write_text(json.dumps(_jsonable(result), indent=1))
+    atomic_write_json(out / "validation.json", _jsonable(result), indent=1)
     checks = result["checks"]
     parts = ["# Simulator validation (P1-P6)", "", markdown_table(result), "",
              "## P2/P3 per grid point", "",
@@ -81,7 +82,7 @@ def write_validation(result: dict, out_dir) -> Path:
                                          "T0_empirical_merged", "T0_empirical_factored",
                                          "max_abs_R_difference"]), "",
              f"Timing: {format_value(result['timing'])}", ""]
-    (out / "validation.md").write_text("\n".join(parts))
+    atomic_write_text(out / "validation.md", "\n".join(parts))
     _figures(result, out)
     return out
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from linattn.fileio import atomic_write_json
 from linattn_theory.problem import make_problem
 from simulations.config import SimConfig
 from simulations.engine import Setting, simulate
@@ -91,7 +92,7 @@ def run_configs(configs: list[SimConfig], sweep: dict, out_dir) -> dict:
             summary["settings"].append(_write_setting(writer, i, cfg, st, res))
     summary["wall_time_s"] = time.perf_counter() - clock
     summary["simulation_time_s"] = sim_time
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    atomic_write_json(out / "summary.json", summary, indent=1)
     with open(out / "config.yaml", "w") as fh:
         yaml.safe_dump({"configs": [c.to_dict() for c in configs], "sweep": sweep}, fh,
                        sort_keys=False)

@@ -79,7 +79,7 @@ class Grid:
                    iid_points=((5, 0.1),), p6_points=((1.0, 5, 0.1),))
 
 
-class _Problems:
+class ProblemCache:
     """make_problem per (zeta, n, C), built once, so that settings share data sets."""
 
     def __init__(self, grid: Grid):
@@ -110,7 +110,7 @@ def _setting(grid, problems, zeta, k, lr, n=None, c=None, rho=None, **kw) -> Set
     return Setting(**args)
 
 
-def _grid_settings(grid: Grid, problems: _Problems) -> list[Setting]:
+def grid_settings(grid: Grid, problems: ProblemCache) -> list[Setting]:
     out = [_setting(grid, problems, z, k, lr) for z in grid.heterogeneity
            for k in grid.local_steps for lr in grid.lr]
     vz = grid.variant_heterogeneity
@@ -266,7 +266,7 @@ def _check_p3(grid, rows) -> dict:
             }
 
 
-def _check_p4(grid, problems) -> dict:
+def check_p4(grid, problems) -> dict:
     rows = []
     for (zeta, k, lr), bsz in itertools.product(grid.floor_points, grid.floor_batch_sizes):
         st = _setting(grid, problems, zeta, k, lr, total_rounds=grid.floor_rounds,
@@ -377,8 +377,8 @@ def run_validation(grid: Grid | None = None, out_dir=None, quick: bool = False) 
     """
     grid = grid or (Grid.quick() if quick else Grid())
     clock = time.perf_counter()
-    problems = _Problems(grid)
-    settings = _grid_settings(grid, problems)
+    problems = ProblemCache(grid)
+    settings = grid_settings(grid, problems)
     results = simulate(settings, list(range(grid.seeds)))
     sim_time = time.perf_counter() - clock
     records = {}
@@ -397,7 +397,7 @@ def run_validation(grid: Grid | None = None, out_dir=None, quick: bool = False) 
                              "mu_delta0": rec.constants.pl_constant * rec.constants.delta0}
     checks = {"P1": _check_p1(grid, problems, records)}
     checks["P2"], checks["P3"] = _check_p2_p3(grid, records)
-    checks["P4"] = _check_p4(grid, problems)
+    checks["P4"] = check_p4(grid, problems)
     checks["P5"] = _check_p5(records)
     checks["P6"] = _check_p6(grid, problems, records)
     out = {"grid": asdict(grid), "checks": checks,

@@ -26,9 +26,9 @@ import sympy as sp
 
 from linattn_theory.derivations.moments import (
     N,
-    _moment_table,
     gaussian_expectation,
     matrix_symbols,
+    moment_table,
     operator_g,
     symmetric_symbols,
     unique_entries,
@@ -73,7 +73,7 @@ def _sample_covariance_expectation(expr: sp.Expr, hat: sp.MatrixBase, cov: sp.Ma
     for i in range(dim):
         for j in range(i, dim):
             index[hat[i, j]] = (i, j)
-    fourth = _moment_table(sp.ImmutableMatrix(cov), 4)
+    fourth = moment_table(sp.ImmutableMatrix(cov), 4)
 
     def single_moment(idx):
         alpha = [0] * dim

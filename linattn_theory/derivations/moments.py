@@ -47,7 +47,7 @@ def unique_entries(matrix: sp.MatrixBase) -> list[sp.Symbol]:
 
 
 @cache
-def _moment_table(covariance: sp.ImmutableMatrix, degree: int) -> dict:
+def moment_table(covariance: sp.ImmutableMatrix, degree: int) -> dict:
     """{alpha: E[x^alpha]} for |alpha| = degree (even), x ~ N(0, covariance), via the MGF."""
     dim = covariance.shape[0]
     t = sp.symbols(f"t0:{dim}")
@@ -77,7 +77,7 @@ def gaussian_expectation(expr: sp.Expr, variables, covariance: sp.MatrixBase) ->
         degree = sum(alpha)
         if degree % 2:
             continue
-        moment = sp.Integer(1) if degree == 0 else _moment_table(cov, degree).get(alpha, 0)
+        moment = sp.Integer(1) if degree == 0 else moment_table(cov, degree).get(alpha, 0)
         total += coeff * moment
     return sp.expand(total)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from linattn.errors import ConfigError
 from real_data.algorithms.base import Algorithm, AlgorithmContext, RoundPlan, weighted_average
 from real_data.algorithms.fedavg import FedAvg, FedAvgParams
 from real_data.algorithms.fedfrozen import FedFrozen, FedFrozenParams
@@ -10,7 +11,6 @@ from real_data.algorithms.fedprox import FedProx, FedProxParams
 from real_data.algorithms.fedsq import FedSQ, FedSQParams
 from real_data.algorithms.fedtp import FedTP, FedTPParams
 from real_data.algorithms.scaffold import Scaffold, ScaffoldParams
-from real_data.errors import ConfigError
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
     cls.name: cls for cls in (FedAvg, FedProx, Scaffold, FedFrozen, FedPart, FedTP, FedSQ)

@@ -7,9 +7,9 @@ from typing import Literal
 
 import numpy as np
 
+from linattn.errors import ConfigError, UserError
 from real_data.algorithms.base import Algorithm, RoundPlan
 from real_data.algorithms.warmup_probe import estimate_constants, round_statistics
-from real_data.errors import ConfigError, UserError
 from real_data.models.groups import names_of_kind
 
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from linattn.errors import ConfigError
 from real_data.algorithms.base import Algorithm, RoundPlan
-from real_data.errors import ConfigError
 from real_data.models.groups import ParamGroup
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from linattn.errors import ConfigError
 from real_data.algorithms.base import Algorithm
-from real_data.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from linattn.errors import ConfigError, UserError
 from real_data.algorithms.base import Algorithm, RoundPlan
-from real_data.errors import ConfigError, UserError
 from real_data.models.groups import names_of_kind
 from real_data.models.layers import MLP, Attention
 

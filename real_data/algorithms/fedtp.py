@@ -8,9 +8,9 @@ from typing import Literal
 import numpy as np
 import torch
 
+from linattn.errors import ConfigError
 from real_data.algorithms.base import Algorithm, RoundPlan
 from real_data.algorithms.hypernet import HyperNetwork, hypernet_gradient, sgd_momentum_step
-from real_data.errors import ConfigError
 
 
 @dataclass(frozen=True)

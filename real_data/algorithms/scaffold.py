@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from linattn.errors import ConfigError
 from real_data.algorithms.base import Algorithm, RoundPlan, weighted_average
-from real_data.errors import ConfigError
 
 
 @dataclass(frozen=True)

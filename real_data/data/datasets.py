@@ -6,10 +6,10 @@ import inspect
 import os
 from collections.abc import Callable
 
+from linattn.errors import DataError
 from real_data.data.base import TensorDataset
 from real_data.data.images import load_cifar10, load_cifar100, load_digits, load_fmnist, load_mnist
 from real_data.data.shakespeare import load_shakespeare
-from real_data.errors import DataError
 
 LOADERS: dict[str, Callable[..., TensorDataset]] = {
     "fmnist": load_fmnist,

@@ -30,6 +30,7 @@ import tarfile
 from collections.abc import Callable
 from pathlib import Path
 
+from linattn.errors import DataError
 from real_data.data.store import (
     SOURCES,
     DataFile,
@@ -42,7 +43,6 @@ from real_data.data.store import (
     read_verified,
     source,
 )
-from real_data.errors import DataError
 
 FMNIST_PACKAGE_DIR = "usr/share/datasets/fashion-mnist"  # inside the .deb
 FMNIST_SYSTEM_DIR = Path("/") / FMNIST_PACKAGE_DIR  # where an installed package put them

@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from linattn.errors import DataError
 from real_data.data.base import TensorDataset
 from real_data.data.store import read_verified, source
-from real_data.errors import DataError
 
 # Mean and std of the training pixels in [0, 1], measured on the full training sets.
 NORMALIZATION = {

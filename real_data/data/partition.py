@@ -33,8 +33,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from linattn.errors import DataError
 from real_data.data.base import Partition, TensorDataset
-from real_data.errors import DataError
 
 # ---------------------------------------------------------------------------------------------
 # Core splits on plain label arrays (pure numpy; the property tests exercise these directly).

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
+from linattn.errors import DataError
+from linattn.fileio import atomic_path, atomic_write_text
 from real_data.data.base import Partition, TensorDataset
 from real_data.data.partition import label_counts
-from real_data.errors import DataError
 
 FORMAT = "linattn.partition/1"
 
@@ -44,14 +45,13 @@ def save_partition(partition: Partition, path: str | os.PathLike) -> Path:
         raise DataError(f"partition params must be JSON values ({exc})") from exc
     train, train_offsets = _pack(partition.train)
     test, test_offsets = _pack(partition.test)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    part = path.with_name(path.name + f".part-{os.getpid()}.npz")
-    np.savez_compressed(part, train=train, train_offsets=train_offsets, test=test,
-                        test_offsets=test_offsets, meta=np.array(meta_json))
-    part.replace(path)
+    with atomic_path(path) as part:
+        np.savez_compressed(part, train=train, train_offsets=train_offsets, test=test,
+                            test_offsets=test_offsets, meta=np.array(meta_json))
     readable = {**meta, "train_sizes": partition.sizes.tolist(),
                 "test_sizes": [len(t) for t in partition.test]}
-    path.with_suffix(".json").write_text(json.dumps(readable, indent=1, sort_keys=True) + "\n")
+    atomic_write_text(path.with_suffix(".json"),
+                      json.dumps(readable, indent=1, sort_keys=True) + "\n")
     return path
 
 

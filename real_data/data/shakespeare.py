@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from linattn.errors import DataError
 from real_data.data.base import TensorDataset
 from real_data.data.store import read_verified, source
-from real_data.errors import DataError
 
 # id 0 is reserved for characters outside the vocabulary; ids 1..99 are string.printable less
 # the form feed, so VOCAB_SIZE = 100 (like the 100-character printable vocabulary of FedTP).

@@ -24,7 +24,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from real_data.errors import DataError
+from linattn.errors import DataError
 
 ENCODINGS = ("", ".gz", ".xz")  # tried in this order; the first file that exists is used
 

@@ -8,6 +8,7 @@ same minibatches.
 
 from __future__ import annotations
 
+from linattn.errors import ConfigError
 from real_data.engines.base import (
     Batches,
     BatchPlanner,
@@ -21,7 +22,6 @@ from real_data.engines.base import (
 )
 from real_data.engines.sequential import train_sequential
 from real_data.engines.vectorized import train_vectorized, train_vectorized_compiled
-from real_data.errors import ConfigError
 
 ENGINES: dict[str, Engine] = {"vectorized": train_vectorized,
                               "vectorized_compiled": train_vectorized_compiled,

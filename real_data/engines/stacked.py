@@ -30,7 +30,7 @@ from torch import nn
 
 from real_data.engines import tiny_attention
 from real_data.models.char_transformer import CharTransformer
-from real_data.models.layers import _linear_feature_map
+from real_data.models.layers import linear_feature_map
 from real_data.models.vit import ViT
 
 Params = dict[str, torch.Tensor]
@@ -232,7 +232,7 @@ class _Net:
             else:
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=mod.causal)
         else:
-            fq, fk = _linear_feature_map(q), _linear_feature_map(k)
+            fq, fk = linear_feature_map(q), linear_feature_map(k)
             if mod.causal:
                 a = fq @ fk.transpose(-2, -1)  # (C B, h, N, N), nonnegative
                 a = a * torch.ones(n, n, dtype=a.dtype, device=x.device).tril()

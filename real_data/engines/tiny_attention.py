@@ -51,7 +51,7 @@ def packed_usable(x: torch.Tensor, dtype: torch.dtype, n: int, d: int) -> bool:
 
 
 # warps per program by tile size (BN), forward and backward; the best of 1-16 measured by
-# real_data/scripts/bench_attention.py on an H200 (docs/bench/attention.json): the ViT's tile
+# benchmarks/bench_attention.py on an H200 (docs/bench/attention.json): the ViT's tile
 # (64) forward 2, backward 4; the character model's (128) forward 4, backward 2
 WARPS = {16: 4, 32: 4, 64: 2, 128: 4}
 BWD_WARPS = {16: 4, 32: 4, 64: 4, 128: 2}

@@ -33,9 +33,10 @@ import yaml
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
 
+from linattn.configio import load_yaml
+from linattn.errors import ConfigError, UserError
 from real_data.config import config_to_dict
 from real_data.engines import ClientResults
-from real_data.errors import ConfigError, UserError
 from real_data.flower.client import RESULTS
 
 
@@ -182,7 +183,7 @@ def _saved_algorithm(run_dir: Path) -> str:
     path = Path(run_dir) / "config.yaml"
     if not path.exists():
         raise UserError(f"{run_dir} is not a run directory (no config.yaml)")
-    return yaml.safe_load(path.read_text())["algorithm"]["name"]
+    return load_yaml(path)["algorithm"]["name"]
 
 
 class FedAvgStrategy(LinattnStrategy):

@@ -11,7 +11,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from real_data.errors import ConfigError
+from linattn.errors import ConfigError
 from real_data.models.char_transformer import CharTransformer, CharTransformerConfig
 from real_data.models.groups import GROUP_KINDS, ParamGroup, names_of_kind, numel
 from real_data.models.vit import ViT, ViTConfig

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def _linear_feature_map(x: torch.Tensor) -> torch.Tensor:
+def linear_feature_map(x: torch.Tensor) -> torch.Tensor:
     """phi(x) = elu(x) + 1 > 0, the feature map of Katharopoulos et al. (2020)."""
     return F.elu(x) + 1.0
 
@@ -63,7 +63,7 @@ class Attention(nn.Module):
                 scores = scores.masked_fill(mask, float("-inf"))
             y = scores.softmax(dim=-1) @ v  # (B, h, N, D/h)
         else:
-            fq, fk = _linear_feature_map(q), _linear_feature_map(k)
+            fq, fk = linear_feature_map(q), linear_feature_map(k)
             if self.causal:
                 a = fq @ fk.transpose(-2, -1)  # (B, h, N, N), nonnegative
                 a = a * torch.ones(n, n, dtype=a.dtype, device=x.device).tril()

@@ -7,9 +7,9 @@ import pytest
 import torch
 from conftest import federation, random_partition, tiny_config, train_rounds
 
+from linattn.errors import ConfigError
 from real_data.algorithms import ALGORITHMS, get_algorithm, weighted_average
 from real_data.engines import make_batches, task_loss
-from real_data.errors import ConfigError
 from real_data.federation import BYTES_PER_NUMBER
 from real_data.models import names_of_kind
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from linattn.errors import ConfigError
 from real_data.config import (
     CONFIG_DIR,
     apply_overrides,
@@ -12,7 +13,6 @@ from real_data.config import (
     load_config,
     parse_overrides,
 )
-from real_data.errors import ConfigError
 
 SHIPPED = ["digits_vit", "fmnist_vit", "mnist_vit", "cifar10_vit", "shakespeare_transformer"]
 

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
+from linattn.errors import DataError
 from real_data.data import store
 from real_data.data.datasets import load_dataset
 from real_data.data.fetchers import fetch
 from real_data.data.images import NORMALIZATION, parse_cifar_batch, parse_idx
-from real_data.errors import DataError
 
 
 def idx_bytes(array: np.ndarray, code: int = 0x08) -> bytes:

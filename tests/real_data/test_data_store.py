@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from linattn.errors import DataError
 from real_data import data_cli
 from real_data.data import fetchers as fetch_mod
 from real_data.data import store
 from real_data.data.datasets import load_dataset
-from real_data.errors import DataError
 
 REPO = Path(__file__).resolve().parents[2]
 QUIET = {"log": lambda s: None}

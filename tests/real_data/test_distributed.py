@@ -203,7 +203,7 @@ def test_gloo_run_killed_and_resumed_equals_single_process(tmp_path):
 
 def test_benchmark_script_on_cpu(tmp_path):
     out = tmp_path / "bench.json"
-    res = _run_torchrun(str(REPO / "real_data" / "scripts" / "bench_distributed.py"), "--out",
+    res = _run_torchrun(str(REPO / "benchmarks" / "bench_distributed.py"), "--out",
                         str(out), "--tiny", "--clients", "4,8", "--rounds", "2", "--warmup",
                         "1", "--eq-clients", "4", "--eq-rounds", "2", "--samples-per-client",
                         "16")

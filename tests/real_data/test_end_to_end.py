@@ -7,8 +7,8 @@ import json
 import pytest
 from conftest import REPO
 
+from linattn.errors import DataError
 from real_data.config import load_config
-from real_data.errors import DataError
 from real_data.runs import start_run
 
 CHANCE = 0.1

@@ -7,6 +7,7 @@ import pytest
 import torch
 from conftest import federation, random_partition, tiny_config, train_rounds
 
+from linattn.errors import ConfigError
 from real_data.algorithms.fedpart import (
     FedPartParams,
     active_group,
@@ -14,7 +15,6 @@ from real_data.algorithms.fedpart import (
     schedule_total,
 )
 from real_data.engines import LocalJob, make_batches
-from real_data.errors import ConfigError
 from real_data.federation import BYTES_PER_NUMBER
 from real_data.metrics import step_flops
 from real_data.models import ViT, ViTConfig

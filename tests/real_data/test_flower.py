@@ -123,7 +123,7 @@ def test_flower_run_resumes_to_the_uninterrupted_result(tmp_path):
 
 
 def test_unsupported_algorithm_lists_the_strategies():
-    from real_data.errors import ConfigError
+    from linattn.errors import ConfigError
 
     with pytest.raises(ConfigError, match="fedavg, fedprox, fedfrozen, fedpart"):
         strategy_for(tiny_config("algorithm.name=scaffold"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from real_data.errors import ConfigError
+from linattn.errors import ConfigError
 from real_data.models import (
     CharTransformerConfig,
     ViTConfig,

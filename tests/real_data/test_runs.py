@@ -19,7 +19,7 @@ from real_data.runs import FAULT_ENV, start_run
 from real_data.sweep import run_sweep
 
 
-def _rounds(metrics_csv: Path) -> set[int]:
+def round_maps(metrics_csv: Path) -> set[int]:
     return {int(ln.split(",")[0]) for ln in metrics_csv.read_text().splitlines()[1:]}
 
 
@@ -69,7 +69,7 @@ def test_killed_run_resumes_to_identical_metrics(tmp_path):
             proc.kill()
     assert proc.returncode == -signal.SIGKILL
     assert torch.load(killed / "checkpoints" / "last.pt", weights_only=False)["round"] == 3
-    assert _rounds(killed / "metrics.csv") == {1, 2, 3, 4}  # round 4 is newer than last.pt
+    assert round_maps(killed / "metrics.csv") == {1, 2, 3, 4}  # round 4 is newer than last.pt
     assert linattn_main(["run", "--resume", str(killed)]) == 0
     whole = tmp_path / "whole"
     assert linattn_main([*args, "--out", str(whole)]) == 0
@@ -99,7 +99,7 @@ def test_nan_stops_run_and_keeps_last_good_checkpoint(tmp_path, monkeypatch,
     assert ckpt["round"] == 2
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "diverged" and summary["rounds_completed"] == 2
-    assert _rounds(out / "metrics.csv") == {1, 2}
+    assert round_maps(out / "metrics.csv") == {1, 2}
 
 
 def test_t0_sweep_branches_equal_direct_runs(tmp_path):

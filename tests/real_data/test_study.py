@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import yaml
 
+from linattn.errors import ConfigError
 from real_data import study
-from real_data.errors import ConfigError
 
 PLAN = {
     "name": "tiny",
@@ -180,7 +180,7 @@ def test_plan_pretraining_runs_once_and_feeds_fedsq(tmp_path):
 
 
 def test_fedsq_refuses_weights_pretrained_with_another_attention(tmp_path):
-    from real_data.errors import UserError
+    from linattn.errors import UserError
 
     data = yaml.safe_load(yaml.safe_dump(PLAN))
     data["pretrain"] = [{"name": "src", "config": "digits_vit", "source": "digits", "epochs": 1,
@@ -199,8 +199,8 @@ def test_pretraining_can_leave_out_the_federated_groups():
     import numpy as np
     import torch
 
+    from linattn.errors import UserError
     from real_data.data.base import TensorDataset
-    from real_data.errors import UserError
     from real_data.pretrain import PretrainSettings, source_indices
 
     sizes = [5, 9, 2, 7]  # group 1 and 3 are the two largest

@@ -50,7 +50,7 @@ when installed without its pins::
 An engine that cannot run (pfl or flwr missing, an error) is reported as not run, with the
 reason, and the others go on.
 
-Usage: ``python -m real_data.bench_peers [--rounds 8] [--clients-per-round 10]
+Usage: ``python benchmarks/bench_peers.py [--rounds 8] [--clients-per-round 10]
 [--out docs/bench/peers.json] [key=value overrides of the config]``.
 """
 
@@ -70,8 +70,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from linattn.errors import UserError
+from linattn.fileio import atomic_write_json
 from real_data.config import Config, load_config
-from real_data.errors import UserError
 from real_data.federation import Federation, FedState, sample_clients
 from real_data.metrics import step_flops
 
@@ -185,11 +186,13 @@ def run_flower(cfg: Config, dataset, partition, rounds: int, actors: int = 2,
                "client_resources": {"num_cpus": 1, "num_gpus": 0.0}}
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # Ray's FutureWarning
     with tempfile.TemporaryDirectory() as probe:
-        env = {ACTOR_THREADS_ENV: str(actor_threads), PROBE_ENV: probe}
+        here = str(Path(__file__).resolve().parent)
+        path = os.pathsep.join(x for x in (here, os.environ.get("PYTHONPATH")) if x)
+        env = {ACTOR_THREADS_ENV: str(actor_threads), PROBE_ENV: probe, "PYTHONPATH": path}
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)  # Ray's workers inherit the driver's environment
         try:
-            from real_data import bench_peers  # by module name, also under python -m
+            import bench_peers  # by module name (benchmarks/ is on sys.path, also for Ray)
 
             run_simulation(app, make_client_app(data_fn=bench_peers._flower_client_data),
                            partition.num_clients, backend_name="ray", backend_config=backend)
@@ -440,12 +443,12 @@ def run_all(args: argparse.Namespace, log: Callable[[str], None] = print) -> dic
         if "linattn-sequential" in finals:
             r["param_rel_diff_vs_sequential"] = relative_difference(
                 finals[r["engine"]], finals["linattn-sequential"])
-    from real_data.bench import _cpu_name, _provenance
+    from bench_engines import cpu_name, provenance
 
     return {"benchmark": "peers (issue 7): one FedAvg workload on linattn, Flower, pfl",
-            **_provenance(torch.device(args.device)),
+            **provenance(torch.device(args.device)),
             "device": (f"GPU: {torch.cuda.get_device_name(args.device)}" if args.device != "cpu"
-                       else f"CPU: {_cpu_name()}, {os.cpu_count()} cores"),
+                       else f"CPU: {cpu_name()}, {os.cpu_count()} cores"),
             "cpu_count": os.cpu_count(),
             "torch_threads": args.threads, "versions": _versions(),
             "config": {k: v for k, v in vars(args).items() if k != "out"},
@@ -486,7 +489,7 @@ def render_markdown(data: dict) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     names = lambda s: [v for v in s.split(",") if v]  # noqa: E731
-    ap = argparse.ArgumentParser(prog="python -m real_data.bench_peers",
+    ap = argparse.ArgumentParser(prog="python benchmarks/bench_peers.py",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="fmnist_vit", help="YAML file or shipped config")
     ap.add_argument("--engines", type=names, default=list(ENGINES),
@@ -541,10 +544,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         data["markdown"] = table
         data["source"] = Path(__file__).read_text()
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.out.with_name(args.out.name + f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(data, indent=1) + "\n")
-        tmp.replace(args.out)  # a killed run leaves no half-written JSON
+        atomic_write_json(args.out, data, indent=1)
         print(f"wrote {args.out}")
     return 0
 

@@ -1,23 +1,29 @@
 """``linattn warmup`` and ``linattn theory``: the analytic module on the command line.
 
-Imports only numpy/scipy (and yaml/json for problem files), never torch or matplotlib. The
-``--png`` plot is drawn by a ``plot(recommendation, path)`` callable passed in by the caller:
-the ``linattn`` command routes ``warmup`` through ``figures.warmup_cli``, which supplies it.
+Imports numpy and the analytic module (and yaml/json for problem files), never torch; matplotlib
+only when ``--png`` is given, through ``figures.warmup_plot``. The analytic module itself does
+no I/O: problem files are read and results written here.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import io
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from linattn.configio import load_yaml
+from linattn.errors import ConfigError
+from linattn.fileio import atomic_write_json, atomic_write_text
+from linattn_theory.constants import estimate_constants
+from linattn_theory.dynamics import initial_point, population_dynamics
 from linattn_theory.errors import ParameterError
+from linattn_theory.problem import Problem
+from linattn_theory.warmup import WarmupConstants, recommend_warmup
 
 # Constants assumed when neither a flag nor a problem file gives them; printed with the result.
 DEFAULTS = {
@@ -64,20 +70,12 @@ def _warmup_parser() -> argparse.ArgumentParser:
 
 def load_problem_file(path: Path):
     """Read a problem file (YAML or JSON) into a Problem; errors name the file."""
-    from linattn_theory.problem import Problem
-
     if not path.is_file():
         raise ParameterError(f"problem file {path} does not exist; give a YAML or JSON file")
-    text = path.read_text()
     try:
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text)
-        else:
-            data = json.loads(text)
-    except Exception as exc:  # noqa: BLE001 - any parse error is the user's file
-        raise ParameterError(f"cannot parse problem file {path}: {exc}") from exc
+        data = load_yaml(path)  # JSON is YAML
+    except ConfigError as exc:
+        raise ParameterError(f"cannot parse problem file: {exc}") from None
     if not isinstance(data, dict):
         raise ParameterError(f"problem file {path} must hold a mapping")
     try:
@@ -86,22 +84,7 @@ def load_problem_file(path: Path):
         raise ParameterError(f"problem file {path}: {exc}") from exc
 
 
-def _atomic_write(path: Path, write) -> None:
-    """Write through a temporary file in the same folder, then rename: nothing half written."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def _constants_from_args(args):
-    from linattn_theory.warmup import WarmupConstants
-
     missing = [f for f in ("heterogeneity", "local_steps", "lr") if getattr(args, f) is None]
     if missing:
         flags = ", ".join("--" + m.replace("_", "-") for m in missing)
@@ -121,18 +104,10 @@ def _constants_from_args(args):
     return constants, assumed
 
 
-def warmup_main(argv: list[str], plot=None) -> int:
-    from linattn_theory.warmup import recommend_warmup
-
+def warmup_main(argv: list[str]) -> int:
     args = _warmup_parser().parse_args(argv)
-    if args.png is not None and plot is None:
-        raise ParameterError("--png needs the plotting part: run it as `linattn warmup ...` "
-                             "(which draws through figures.warmup_cli)")
     dynamics = None
     if args.problem is not None:
-        from linattn_theory.constants import estimate_constants
-        from linattn_theory.dynamics import initial_point, population_dynamics
-
         problem, schedule = load_problem_file(args.problem)
         lr = args.lr if args.lr is not None else schedule.get("lr")
         steps = args.local_steps if args.local_steps is not None else schedule.get("local_steps")
@@ -161,23 +136,23 @@ def warmup_main(argv: list[str], plot=None) -> int:
     header = ["warmup_rounds", "bias", "drift", "frozen_floor", "transient", "total"]
     rows = np.column_stack([rec.rounds, rec.bias, rec.drift, rec.frozen, rec.transient, rec.total])
     if args.csv:
-        def write_csv(tmp: Path) -> None:
-            with tmp.open("w", newline="") as fh:
-                w = csv.writer(fh)
-                w.writerow(header)
-                for r in rows:
-                    w.writerow([int(r[0]), *(f"{x:.10g}" for x in r[1:])])
-
-        _atomic_write(args.csv, write_csv)
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(header)
+        for r in rows:
+            w.writerow([int(r[0]), *(f"{x:.10g}" for x in r[1:])])
+        atomic_write_text(args.csv, buf.getvalue())
         print(f"wrote {args.csv}")
     if args.json:
         payload = rec.to_dict()
         if dynamics is not None:
             payload["population_best_warmup"] = dynamics.best_warmup
-        _atomic_write(args.json, lambda tmp: tmp.write_text(json.dumps(payload, indent=2)))
+        atomic_write_json(args.json, payload)
         print(f"wrote {args.json}")
     if args.png:
-        plot(rec, args.png)
+        from figures.warmup_plot import plot_recommendation  # matplotlib only for --png
+
+        plot_recommendation(rec, args.png)
         print(f"wrote {args.png}")
     return 0
 
@@ -190,22 +165,20 @@ def theory_main(argv: list[str]) -> int:
     ap.add_argument("--local-steps", type=int, required=True)
     ap.add_argument("--total-rounds", type=int, default=DEFAULTS["total_rounds"])
     args = ap.parse_args(argv)
-    from linattn_theory.constants import estimate_constants
-
     problem, _ = load_problem_file(args.problem)
     c = estimate_constants(problem, args.lr, args.local_steps, args.total_rounds)
     print(json.dumps(c.to_dict(), indent=2))
     return 0
 
 
-def main(argv: list[str] | None = None, plot=None) -> int:
-    """Entry point; ``plot(recommendation, path)`` draws ``--png`` (see module docstring)."""
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``linattn warmup`` (the default) and ``linattn theory``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command, rest = (argv[0], argv[1:]) if argv else ("warmup", [])
     try:
         if command == "theory":
             return theory_main(rest)
-        return warmup_main(rest, plot)
+        return warmup_main(rest)
     except ParameterError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

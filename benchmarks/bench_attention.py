@@ -15,7 +15,7 @@ output of the q/k/v GEMM and its bias, as the stacked forward has them:
   attention does) instead of taken from P (``tiny_attention.DELTA_FROM_P``).
 
 Median of CUDA-event timings after warm-up; one JSON row per (model, variant).
-Usage: ``python -m real_data.scripts.bench_attention [--warps 2,4,8] [--out FILE]``.
+Usage: ``python benchmarks/bench_attention.py [--warps 2,4,8] [--out FILE]``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Run on one node under torchrun, one process per GPU (N = 2 for the issue's table)::
 
     python3 -m torch.distributed.run --standalone --nproc_per_node 2 \
-        real_data/scripts/bench_distributed.py --out bench_distributed.json
+        benchmarks/bench_distributed.py --out bench_distributed.json
 
 1. Equality: the same fp64 run (``--eq-clients`` clients a round, ``--eq-rounds`` rounds,
    evaluated every round) once on rank 0 alone with the plain round loop and once sharded over
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # runnable from a checkout without installing it
     sys.path.insert(0, str(ROOT))
 

@@ -1,15 +1,14 @@
-"""``linattn warmup`` with its ``--png`` plot: the theory's CLI plus the figure it draws.
+"""The ``--png`` plot of ``linattn warmup``: the bound's curves against T0 with T0* marked.
 
-The router sends ``warmup`` here so that ``linattn_theory`` itself never imports matplotlib;
-matplotlib is imported only when ``--png`` is given, so ``linattn warmup`` still starts without
-torch or matplotlib.
+``linattn.theory_cli`` imports this module only when ``--png`` is given, so ``linattn warmup``
+starts without torch or matplotlib.
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
+
+from linattn.fileio import atomic_path
 
 
 def plot_recommendation(rec, path: Path) -> None:
@@ -29,21 +28,10 @@ def plot_recommendation(rec, path: Path) -> None:
     ax.legend()
     fig.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
-    os.close(fd)
     try:
-        fig.savefig(tmp, format=path.suffix.lstrip(".") or "png")
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, format=path.suffix.lstrip(".") or "png")
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
         import matplotlib.pyplot as plt
 
         plt.close(fig)
-
-
-def main(argv: list[str] | None = None) -> int:
-    from linattn_theory import cli
-
-    return cli.main(argv, plot=plot_recommendation)

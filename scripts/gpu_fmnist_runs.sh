@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 4's GPU record: fmnist_vit (50 clients, Dirichlet 0.3), 100 rounds of FedAvg and
-# FedFrozen (T0 = 20, both training variants). Usage: bash real_data/scripts/gpu_fmnist_runs.sh OUTDIR
+# FedFrozen (T0 = 20, both training variants). Usage: bash scripts/gpu_fmnist_runs.sh OUTDIR
 # Data: LINATTN_DATA must point at a folder holding fmnist/ (e.g. `linattn data pack fmnist --to .data`).
 set -euo pipefail
 out=${1:?usage: gpu_fmnist_runs.sh OUTDIR}

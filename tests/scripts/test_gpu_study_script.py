@@ -1,4 +1,4 @@
-"""real_data/scripts/gpu_study.sh end to end on the CPU, with a stand-in ``nvidia-smi`` that
+"""scripts/gpu_study.sh end to end on the CPU, with a stand-in ``nvidia-smi`` that
 reports two GPUs: pretraining spread over them, the workers, the packed results and the
 markers, and a second "fresh machine" that, given the markers, skips every finished group and
 does not pretrain again. Catches script mistakes before they cost GPU time."""
@@ -18,7 +18,7 @@ import yaml
 from real_data import study
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "real_data" / "scripts" / "gpu_study.sh"
+SCRIPT = ROOT / "scripts" / "gpu_study.sh"
 FAKE_SMI = """#!/usr/bin/env bash
 case "$*" in
   *-L*) echo "GPU 0: stand-in"; echo "GPU 1: stand-in" ;;

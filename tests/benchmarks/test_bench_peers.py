@@ -5,15 +5,14 @@ learning rate 1) and linattn's sequential engine, from the same initial model, o
 sampled clients and minibatches, must end the rounds with the same global model up to float32
 rounding: largest per-tensor relative difference at most 1e-5 (measured: 2-3e-7).
 Skipped when pfl is not installed (it is no dependency of any extra; see
-``real_data/bench_peers.py`` for the install line).
+``benchmarks/bench_peers.py`` for the install line).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-
-from real_data.bench_peers import (
+from bench_peers import (
     bench_config,
     load_workload,
     relative_difference,

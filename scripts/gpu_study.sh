@@ -8,7 +8,7 @@
 # (--pending-before).
 # DONE_ARCHIVE (optional): a `linattn study --markers` archive
 # of the groups finished on earlier machines, so they are skipped here.
-# Usage: bash real_data/scripts/gpu_study.sh PLAN SECONDS WORKERS_PER_GPU OUTDIR [--slice GLOB ...]
+# Usage: bash scripts/gpu_study.sh PLAN SECONDS WORKERS_PER_GPU OUTDIR [--slice GLOB ...]
 # Data: LINATTN_DATA must point at a folder holding the packed data sets (`linattn data pack`).
 set -uo pipefail
 plan=${1:?usage: gpu_study.sh PLAN SECONDS WORKERS_PER_GPU OUTDIR [--slice GLOB ...]}

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
+import bench_engines as bench
 import pytest
 
-from real_data import bench
 from real_data.models import CharTransformerConfig, ViTConfig
 
 
@@ -41,12 +41,12 @@ def test_bench_grid_writes_json(tiny, tmp_path, capsys):
     flops = {(r["model"], r["stage"]): r["flops_per_round"] for r in rows if r["clients"] == 4}
     assert flops[("vit", "frozen_v")] < flops[("vit", "full")]
     assert {"speedup", "frozen_vs_full", "ceiling"} <= set(data["summary"])
-    assert "bench.py" in data["source"] and data["config"]["clients"] == [2, 4]
+    assert "bench_engines.py" in data["source"] and data["config"]["clients"] == [2, 4]
     assert "engine benchmark on" in capsys.readouterr().out
 
 
 def test_bench_rejects_unknown_names(tiny):
-    from real_data.errors import UserError
+    from linattn.errors import UserError
 
     with pytest.raises(UserError, match="unknown"):
         bench.main(["--engines", "warp", "--device", "cpu"])

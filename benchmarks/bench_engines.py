@@ -50,6 +50,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from linattn.fileio import atomic_write_json
 from real_data.algorithms import AlgorithmContext, FedAvg, FedAvgParams, weighted_average
 from real_data.engines import (
     BatchPlanner,
@@ -459,7 +460,7 @@ def render_markdown(data: dict) -> str:
     return "\n".join(out)
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     """The CPU's model name (from /proc/cpuinfo where there is one)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -470,7 +471,7 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _provenance(device: torch.device) -> dict:
+def provenance(device: torch.device) -> dict:
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                 cwd=Path(__file__).parent, timeout=10).stdout.strip()
@@ -478,7 +479,7 @@ def _provenance(device: torch.device) -> dict:
                                     text=True, cwd=Path(__file__).parent, timeout=10).stdout)
     except (OSError, subprocess.SubprocessError):
         commit, dirty = "", None
-    dev = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    dev = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "device": dev, "torch": torch.__version__, "cuda": torch.version.cuda,
             "python": platform.python_version(), "git_commit": commit, "git_dirty": dirty}
@@ -524,7 +525,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from real_data.errors import UserError
+    from linattn.errors import UserError
 
     bad = [e for e in args.engines if e not in ENGINES] + \
         [m for m in args.models if m not in WORKLOADS] + \
@@ -541,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         return profile_cell(args.profile, device, args.warmup, args.trace)
     started = time.perf_counter()
-    prov = _provenance(device)
+    prov = provenance(device)
     print(f"engine benchmark on {prov['device']} (torch {prov['torch']})", flush=True)
     ceilings = {} if args.no_ceilings else measure_ceilings(device)
     if ceilings:
@@ -557,9 +558,9 @@ def main(argv: list[str] | None = None) -> int:
                                  for k, v in WORKLOADS.items()},
                    "optimizer": asdict(OPTIMIZER), "ceilings": ceilings, "results": rows,
                    "summary": summary, "total_wall_s": time.perf_counter() - started,
-                   "source": {p.name: p.read_text() for p in _sources()}}
+                   "source": {p.name: p.read_text() for p in source_files()}}
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(payload, indent=1) + "\n")
+        atomic_write_json(args.out, payload, indent=1)
 
     rows = run_grid(args, device, write)
     summary = summarize([r for r in rows if "error" not in r], ceilings)
@@ -578,9 +579,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _sources() -> list[Path]:
-    here = Path(__file__).parent
-    return [here / "bench.py"] + [here / "engines" / f"{m}.py" for m in
+def source_files() -> list[Path]:
+    engines = Path(__file__).resolve().parents[1] / "real_data" / "engines"
+    return [Path(__file__).resolve()] + [engines / f"{m}.py" for m in
                                   ("fast", "stacked", "tiny_attention", "flat_update")]
 
 

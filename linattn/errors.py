@@ -1,4 +1,9 @@
-"""Errors raised for bad user input (configs, files, data); the CLI turns them into exit 2."""
+"""Errors for bad user input, shared by every part except the analytic module.
+
+An exception that carries ``user_error = True`` is printed by the ``linattn`` router as
+``error: <message>`` with exit status 2. ``linattn_theory`` has its own ``ParameterError`` with
+the same marker, because the analytic module imports nothing of ours.
+"""
 
 
 class UserError(ValueError):
