@@ -3,7 +3,9 @@
 ``cached(name, config, compute)`` returns ``compute()``'s JSON-serialisable result, stored in
 ``<cache_dir>/<name>-<hash>.json`` with hash = sha256(config + theory/simulator sources)[:16];
 a second call with the same configuration and code reads the file instead of recomputing.
-Files are written atomically, so a killed run leaves no half-written entry.
+The default cache_dir is ``figures/out/.cache`` under the current directory. Files are written
+atomically (mode 0644), so a killed run leaves no half-written entry; integer counts stay
+integers.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from pathlib import Path
 
 import numpy as np
 
-from linattn.fileio import atomic_write_text
+from linattn.fileio import atomic_write_json
 
-CACHE_DIR = Path(__file__).resolve().parent / "out" / ".cache"
-_ROOT = Path(__file__).resolve().parent.parent
+# beside the default figures (figures.style.OUT_DIR); relative, so under the current directory
+CACHE_DIR = Path("figures") / "out" / ".cache"
+_ROOT = Path(__file__).resolve().parent.parent  # the sources fingerprinted, read only
 
 
 @cache
@@ -81,5 +84,5 @@ def cached(name: str, config: dict, compute: Callable[[], dict],
         except json.JSONDecodeError:
             path.unlink()  # a corrupt entry is recomputed
     result = compute()
-    atomic_write_text(path, json.dumps(result, default=float))
+    atomic_write_json(path, result, indent=None)
     return result, False

@@ -15,7 +15,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from linattn.fileio import atomic_path
 
-OUT_DIR = Path(__file__).resolve().parent / "out"
+# relative, so resolved against the current directory when written: an installed package
+# never writes into its own folder
+OUT_DIR = Path("figures") / "out"
 
 # (colour, line style, marker) cycled per series; distinguishable without colour
 SERIES = [
@@ -54,7 +56,9 @@ def new_figure(ncols: int = 1, width: float = 4.6, height: float = 3.4, nrows: i
 
 def save(fig, name: str, out_dir: Path | None = None, tight: bool = True,
          dpi: float | None = None) -> list[Path]:
-    """Write ``name.png`` and ``name.pdf`` into ``out_dir`` (default figures/out/) atomically.
+    """Write ``name.png`` and ``name.pdf`` into ``out_dir`` atomically (mode 0644).
+
+    The default folder is ``figures/out/`` under the current directory.
 
     ``tight=False`` skips ``tight_layout`` (figures with a colour bar spanning panels);
     ``dpi`` overrides the PNG resolution (default 150).

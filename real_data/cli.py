@@ -24,13 +24,20 @@ def _names(text: str) -> list[str]:
 
 
 def _run(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="linattn run", description="One federated run.")
+    ap = argparse.ArgumentParser(
+        prog="linattn run",
+        description="One federated run on real data from a YAML config. It writes a run "
+        "directory (config, partition, metrics.csv, summary.json, curves.png, checkpoints) and "
+        "prints the last and the best test accuracy.")
     ap.add_argument("--config", help="YAML file or shipped config name (e.g. digits_vit)")
-    ap.add_argument("--out", type=Path, help="run directory (default: run.out_dir/<name>)")
+    ap.add_argument("--out", type=Path,
+                    help="run directory (default: <run.out_dir>/<name with the settings>, "
+                    "run.out_dir being runs under the current directory)")
     ap.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a killed run")
     ap.add_argument("--distributed", action="store_true",
                     help="under torchrun: shard each round's clients over the processes")
-    ap.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
+    ap.add_argument("overrides", nargs="*", metavar="key=value",
+                    help="dotted config overrides, e.g. train.lr=0.05 train.rounds=50")
     args = ap.parse_args(argv)
     from linattn.errors import UserError
     from real_data.runs import resume_run, start_run
@@ -59,25 +66,42 @@ def _run(argv: list[str]) -> int:
 
 
 def _report(result) -> int:
-    final = result.summary.get("final", {})
     if result.status != "completed":
         print(f"run stopped: {result.message}\nrun directory: {result.run_dir}", file=sys.stderr)
         return 1
-    acc = final.get("test_acc")
-    tail = f", test_acc {acc:.4f}" if acc is not None else ""
-    print(f"{result.run_dir}: {result.rounds_completed} rounds{tail}")
+    print(f"{result.run_dir}: {result.rounds_completed} rounds{_accuracy(result.summary)}")
     return 0
 
 
+def _accuracy(summary: dict) -> str:
+    """', test_acc last L, best B (round R)' from a run summary, or '' without test_acc."""
+    last = summary.get("final", {}).get("test_acc")
+    if last is None:
+        return ""
+    best = summary.get("best", {}).get("test_acc", {})
+    tail = f", best {best['value']:.4f} (round {best['round']})" if best else ""
+    return f", test_acc last {last:.4f}{tail}"
+
+
 def _sweep(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="linattn sweep", description="A grid of runs.")
-    ap.add_argument("--config", required=True)
+    ap = argparse.ArgumentParser(
+        prog="linattn sweep",
+        description="A grid of federated runs (algorithms x seeds x Dirichlet alphas x "
+        "FedFrozen T0) that share the data and branch the T0 runs from one warm-up run's "
+        "checkpoints; sweep.csv indexes them.")
+    ap.add_argument("--config", required=True,
+                    help="YAML file or shipped config name (e.g. digits_vit)")
     ap.add_argument("--out", type=Path, required=True, help="folder for the runs")
-    ap.add_argument("--algorithms", type=_names, default=[], help="comma list")
-    ap.add_argument("--seeds", type=_ints, default=[], help="comma list")
-    ap.add_argument("--warmup-rounds", type=_ints, default=[], help="FedFrozen T0 list")
-    ap.add_argument("--alphas", type=_floats, default=[], help="Dirichlet alpha list")
-    ap.add_argument("overrides", nargs="*", metavar="key=value")
+    ap.add_argument("--algorithms", type=_names, default=[],
+                    help="comma list of algorithms (default: the config's)")
+    ap.add_argument("--seeds", type=_ints, default=[],
+                    help="comma list of seeds (default: the config's)")
+    ap.add_argument("--warmup-rounds", type=_ints, default=[],
+                    help="comma list of FedFrozen warm-up lengths T0 (default: the config's)")
+    ap.add_argument("--alphas", type=_floats, default=[],
+                    help="comma list of Dirichlet alphas (default: the config's partition.alpha)")
+    ap.add_argument("overrides", nargs="*", metavar="key=value",
+                    help="dotted config overrides, e.g. train.rounds=50")
     args = ap.parse_args(argv)
     from real_data.config import load_config
     from real_data.sweep import run_sweep
@@ -85,8 +109,7 @@ def _sweep(argv: list[str]) -> int:
     results = run_sweep(load_config(args.config, args.overrides), args.out, args.algorithms,
                         args.seeds, args.warmup_rounds, args.alphas)
     for r in results:
-        acc = r.summary.get("final", {}).get("test_acc")
-        print(f"{r.status:9s} {'' if acc is None else f'{acc:.4f}':7s} {r.run_dir}")
+        print(f"{r.status:9s} {r.run_dir}{_accuracy(r.summary)}")
     return 0 if all(r.status == "completed" for r in results) else 1
 
 
@@ -100,11 +123,13 @@ def _pretrain(argv: list[str]) -> int:
     ap.add_argument("--source-skip", type=int, default=0,
                     help="drop the first N source training samples (disjoint split)")
     ap.add_argument("--source-limit", type=int, default=None, help="then keep at most N")
-    ap.add_argument("--epochs", type=int, default=3)
-    ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=1e-3, help="Adam step size")
-    ap.add_argument("--weight-decay", type=float, default=0.0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--epochs", type=int, default=3, help="passes over the source (default 3)")
+    ap.add_argument("--batch-size", type=int, default=64, help="minibatch size (default 64)")
+    ap.add_argument("--lr", type=float, default=1e-3, help="Adam step size (default 0.001)")
+    ap.add_argument("--weight-decay", type=float, default=0.0,
+                    help="Adam weight decay (default 0)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed of the initial weights and the minibatch order (default 0)")
     ap.add_argument("--exclude-largest-groups", type=int, default=0, metavar="N",
                     help="natural-client data: leave out the N largest groups (the clients "
                     "of a natural partition with num_clients=N)")
@@ -133,9 +158,14 @@ def _study(argv: list[str]) -> int:
     from linattn.errors import UserError
     from real_data import study
 
-    ap = argparse.ArgumentParser(prog="linattn study", description=study.__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="linattn study",
+        description="The real-data validation study: a plan of sweeps, run resumably in "
+        "slices, then aggregated into tables.")
     ap.add_argument("--plan", required=True, help="plan YAML, or the name of a shipped plan")
-    ap.add_argument("--out", type=Path, help="override the plan's out_dir")
+    ap.add_argument("--out", type=Path,
+                    help="folder of the study's runs (default: the plan's out_dir, relative "
+                    "to the current directory)")
     ap.add_argument("--slice", action="append",
                     help="glob over <sweep>/<arm>/alpha=<a>/seed=<s> (quote it; repeat the "
                     "option for a union)")

@@ -21,7 +21,8 @@ FETCH_ALL = ("fmnist", "mnist", "shakespeare")
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="linattn data",
                                 description="Fetch, verify, list and pack the real data sets.")
-    sub = p.add_subparsers(dest="action", required=True)
+    sub = p.add_subparsers(dest="action", required=True, metavar="COMMAND",
+                           help="list, fetch, pack or partition")
     root_help = "cache root (default: $LINATTN_DATA, else ~/.cache/linattn/data)"
 
     ls = sub.add_parser("list", help="what is in the cache, with sizes and checksum state")
@@ -37,23 +38,24 @@ def _parser() -> argparse.ArgumentParser:
                     help="import a downloaded archive or folder (CIFAR: cifar-10-python.tar.gz)")
 
     pa = sub.add_parser("pack", help="write verified xz copies to DIR/NAME/ (usable as a root)")
-    pa.add_argument("names", nargs="+", metavar="NAME")
+    pa.add_argument("names", nargs="+", metavar="NAME", help="data set names")
     pa.add_argument("--to", required=True, metavar="DIR", help="destination root")
     pa.add_argument("--root", help=root_help)
     pa.add_argument("--level", type=int, default=6, choices=range(10), metavar="0-9",
                     help="xz preset (default 6)")
 
     pt = sub.add_parser("partition", help="partition a data set, save it and plot it")
-    pt.add_argument("dataset")
+    pt.add_argument("dataset", help="data set name (e.g. fmnist, digits)")
     pt.add_argument("--scheme", required=True, help="iid, dirichlet, classes or natural")
     pt.add_argument("--clients", type=int, default=None, help="number of clients")
-    pt.add_argument("--seed", type=int, default=0)
+    pt.add_argument("--seed", type=int, default=0, help="partition seed (default 0)")
     pt.add_argument("-p", "--param", action="append", default=[], metavar="KEY=VALUE",
                     help="scheme parameter, e.g. alpha=0.1 (repeatable)")
     pt.add_argument("--out", required=True, help="partition file (.npz)")
     pt.add_argument("--plot", help="also draw the label counts to this image file")
     pt.add_argument("--root", help=root_help)
-    pt.add_argument("--train-limit", type=int, default=None)
+    pt.add_argument("--train-limit", type=int, default=None, metavar="N",
+                    help="use only the first N training samples")
     return p
 
 

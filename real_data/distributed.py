@@ -224,7 +224,8 @@ def _check_device(cfg, trainer: ShardTrainer) -> None:
                           f"{trainer.device.type} (its LOCAL_RANK device); allowed: {allowed}")
 
 
-def run_distributed(cfg=None, out: Path | None = None, resume: Path | None = None):
+def run_distributed(cfg=None, out: Path | None = None, resume: Path | None = None,
+                    on_round_end=None):
     """One run over every process of the torchrun job; rank 0 returns the RunResult, others None.
 
     Parameters
@@ -235,18 +236,20 @@ def run_distributed(cfg=None, out: Path | None = None, resume: Path | None = Non
         The new run's directory.
     resume : Path, optional
         A run directory to continue (read by rank 0 only).
+    on_round_end : callable, optional
+        Rank 0's round hook (as :func:`~real_data.runs.start_run`).
     """
     trainer = init_from_env()
     try:
         if trainer.rank == 0:
-            return _lead(trainer, cfg, out, resume)
+            return _lead(trainer, cfg, out, resume, on_round_end)
         _follow(trainer)
         return None
     finally:
         dist.destroy_process_group()
 
 
-def _lead(trainer: ShardTrainer, cfg, out, resume):
+def _lead(trainer: ShardTrainer, cfg, out, resume, on_round_end=None):
     from real_data import rundir
     from real_data.runs import resume_run, start_run
 
@@ -258,10 +261,10 @@ def _lead(trainer: ShardTrainer, cfg, out, resume):
                 from real_data.config import config_from_dict
 
                 _check_device(config_from_dict(load_yaml(saved)), trainer)
-            result = resume_run(resume, trainer=trainer)
+            result = resume_run(resume, trainer=trainer, on_round_end=on_round_end)
         else:
             _check_device(cfg, trainer)
-            result = start_run(cfg, out=out, trainer=trainer)
+            result = start_run(cfg, out=out, trainer=trainer, on_round_end=on_round_end)
     except BaseException as exc:
         trainer.send_stop(exc)
         raise

@@ -5,15 +5,21 @@ Layout::
     RUN_DIR/
       config.yaml        the resolved config (seeds and data-dependent model fields filled in)
       partition.npz      the partition (``real_data.data.save_partition``; .json beside it)
-      metrics.csv        long format: round,client,metric,value (client = "global" or an id)
+      metrics.csv        long format: round,client,metric,value,stage (client = "global" or
+                         an id; stage = what trained that round, the algorithm's RoundPlan.stage:
+                         FedFrozen's "warmup" then "frozen", FedPart's "groupN", else "full")
       timings.csv        round,seconds (wall time; kept out of metrics.csv so that a resumed
                          run's metrics.csv is byte-identical to an uninterrupted one)
       summary.json       status, final and best metrics, wall time, code version, libraries,
                          device
-      curves.png         learning curves (test accuracy, train loss)
+      curves.png         learning curves (accuracy, loss) with the stages shaded and T0 marked
       checkpoints/last.pt            the last good state, with every RNG state
       checkpoints/round_<t>.pt       snapshots kept for branching (T0 sweeps)
-      tensorboard/       optional
+      snapshot_rounds.json           their rounds (so that a resumed run keeps them too)
+      tensorboard/       optional (run.tensorboard=true; the ``tensorboard`` extra)
+
+Every file is readable by others (mode 0644): whole files are written through
+``linattn.fileio``, and a CSV is created that way before rows are appended to it.
 """
 
 from __future__ import annotations
@@ -29,9 +35,13 @@ import numpy as np
 import torch
 import yaml
 
-from linattn.fileio import atomic_write_json, atomic_write_text
+from linattn.fileio import atomic_path, atomic_write_json, atomic_write_text
 
-HEADER = "round,client,metric,value\n"
+HEADER = "round,client,metric,value,stage\n"
+
+# metrics that count things (bytes, FLOPs, parameters, rounds): integers in summary.json
+COUNT_METRICS = frozenset({"bytes_up", "bytes_down", "train_flops", "trainable_params",
+                           "warmup_rounds_recommended", "fedpart_group"})
 
 
 def write_yaml(path: Path, data: dict) -> None:
@@ -43,12 +53,17 @@ def _fmt(v) -> str:
 
 
 class CsvAppender:
-    """Append rows to a CSV file, flushed and fsynced per call (survives SIGKILL)."""
+    """Append rows to a CSV file, flushed and fsynced per call (survives SIGKILL).
+
+    ``columns`` are the names in the file's header: a file that exists keeps its own.
+    """
 
     def __init__(self, path: Path, header: str) -> None:
         self.path = path
         if not path.exists():
-            path.write_text(header)
+            atomic_write_text(path, header)
+        with open(path) as fh:
+            self.columns = tuple(fh.readline().strip().split(","))
 
     def append(self, rows) -> None:
         text = "".join(",".join(_fmt(v) for v in row) + "\n" for row in rows)
@@ -80,6 +95,19 @@ def read_global_metrics(path: Path) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
+def read_stages(path: Path) -> dict[int, str]:
+    """round -> stage from a metrics.csv (empty when the file has no stage column)."""
+    out: dict[int, str] = {}
+    with open(path, newline="") as fh:
+        reader = csv.DictReader(fh)
+        if "stage" not in (reader.fieldnames or ()):
+            return out
+        for row in reader:
+            if row["stage"]:
+                out[int(row["round"])] = row["stage"]
+    return out
+
+
 def code_version() -> str:
     """``git describe`` of the source tree (with ``-dirty``), or ``unknown``."""
     root = Path(__file__).resolve().parent.parent
@@ -107,10 +135,14 @@ def provenance(device: torch.device) -> dict:
             "device": dev}
 
 
+def _count(metric: str, value: float):
+    return int(value) if metric in COUNT_METRICS and float(value).is_integer() else value
+
+
 def summarize(metrics_path: Path) -> dict:
     """Final and best values of the global metrics."""
     series = read_global_metrics(metrics_path)
-    final = {k: v[-1][1] for k, v in series.items()}
+    final = {k: _count(k, v[-1][1]) for k, v in series.items()}
     best = {}
     for key, better in (("test_acc", max), ("local_acc_mean", max), ("test_loss", min)):
         if key in series:
@@ -119,25 +151,91 @@ def summarize(metrics_path: Path) -> dict:
     return {"final": final, "best": best}
 
 
+# (y label, [(metric, legend label), ...]) per panel of curves.png
+PANELS = (("accuracy", (("test_acc", "test, global model"),
+                        ("local_acc_mean", "local test, client mean"))),
+          ("loss (cross-entropy)", (("train_loss", "train, clients' mean"),
+                                    ("test_loss", "test, global model"))))
+STAGE_COLOURS = ("#d6e6f4", "#fbe0c6", "#dcefd6", "#eddcf0", "#f6f0c2", "#e4e4e4")
+
+
+def stage_spans(stages: dict[int, str]) -> list[tuple[str, int, int]]:
+    """Contiguous runs of one stage as (stage, first round, last round), in round order."""
+    spans: list[tuple[str, int, int]] = []
+    for rnd in sorted(stages):
+        if spans and spans[-1][0] == stages[rnd] and spans[-1][2] == rnd - 1:
+            spans[-1] = (stages[rnd], spans[-1][1], rnd)
+        else:
+            spans.append((stages[rnd], rnd, rnd))
+    return spans
+
+
+def warmup_end(spans: list[tuple[str, int, int]]) -> int | None:
+    """T0: the last round of a ``warmup`` stage that another stage follows (else None)."""
+    for (stage, _, last), _next in zip(spans, spans[1:]):
+        if stage == "warmup":
+            return last
+    return None
+
+
 def plot_curves(metrics_path: Path, out: Path, title: str) -> None:
-    """test accuracy and train loss against rounds (matplotlib imported lazily)."""
+    """Accuracy and loss against rounds, the stages shaded and T0 marked (matplotlib lazily).
+
+    Round r moves the model from its state after round r - 1 to the one after round r, so a
+    stage covering rounds a..b is shaded over (a - 1, b] and T0 is drawn at x = T0.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
+    from matplotlib.transforms import blended_transform_factory
 
     series = read_global_metrics(metrics_path)
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
-    for ax, keys in zip(axes, (("test_acc", "local_acc_mean"), ("train_loss", "test_loss"))):
-        for key in keys:
+    spans = stage_spans(read_stages(metrics_path))
+    names = list(dict.fromkeys(stage for stage, _, _ in spans))
+    colour = {n: STAGE_COLOURS[i % len(STAGE_COLOURS)] for i, n in enumerate(names)}
+    last = max((r for values in series.values() for r, _ in values), default=1)
+    t0 = warmup_end(spans)
+    # name each stage above its span when every span is wide enough, else in a legend
+    inline = all(b - a + 1 >= 0.12 * last for _, a, b in spans)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), layout="constrained")
+    for ax, (ylabel, keys) in zip(axes, PANELS):
+        above = blended_transform_factory(ax.transData, ax.transAxes)
+        if len(names) > 1:
+            for stage, a, b in spans:
+                ax.axvspan(a - 1, b, color=colour[stage], lw=0, zorder=0)
+                if inline:
+                    ax.text((a - 1 + b) / 2, 1.01, stage, transform=above, ha="center",
+                            va="bottom", fontsize=9, color="0.25")
+        for key, label in keys:
             if key in series:
                 r, v = zip(*series[key])
-                ax.plot(r, v, label=key)
-        ax.set_xlabel("round")
-        ax.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
+                ax.plot(r, v, label=label, marker="o" if len(r) <= 30 else None, ms=3)
+        if t0 is not None:
+            lo, hi = ax.get_ylim()  # headroom for the label, clear of the curves
+            ax.set_ylim(lo, hi + 0.12 * (hi - lo))
+            ax.axvline(t0, color="0.15", ls="--", lw=1.2)
+            ax.text(t0, 0.97, f" T0 = {t0}", transform=above, ha="left", va="top",
+                    fontsize=9)
+        ax.set_xlim(0, last)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("round", fontsize=10)
+        ax.set_ylabel(ylabel, fontsize=10)
+        ax.tick_params(labelsize=9)
+        ax.grid(True, color="0.88", lw=0.6)
+        ax.set_axisbelow(True)
+        if ax.lines:  # below the panel, where it can hide no curve
+            ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2,
+                      frameon=False)
+    fig.suptitle(title, fontsize=10)
+    if len(names) > 1 and not inline:
+        fig.legend(handles=[Patch(color=colour[n], label=n) for n in names], title="stage",
+                   loc="outside lower center", ncol=min(len(names), 8), fontsize=8,
+                   title_fontsize=8, frameon=False)
+    with atomic_path(out) as tmp:
+        fig.savefig(tmp, format="png", dpi=120)
     plt.close(fig)
 
 

@@ -2,20 +2,20 @@
 
 ``start_run`` checks everything (config, data, partition, model, algorithm) before it creates
 a directory, so a bad config writes nothing. Each round appends its rows to ``metrics.csv``
-and then replaces ``checkpoints/last.pt``; ``resume_run`` drops rows newer than the
-checkpoint and continues, so a run killed at any point ends with the same ``metrics.csv`` as
-an uninterrupted one. A non-finite loss stops the run, keeps the last good checkpoint and
-records ``status: diverged`` in ``summary.json``.
+(each tagged with the round's stage) and then replaces ``checkpoints/last.pt``; ``resume_run``
+drops rows newer than the checkpoint and continues, so a run killed at any point ends with the
+same ``metrics.csv`` as an uninterrupted one. A non-finite loss stops the run, keeps the last
+good checkpoint and records ``status: diverged`` in ``summary.json``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,13 +23,15 @@ import torch
 
 from linattn.configio import load_yaml
 from linattn.errors import ConfigError, UserError
+from linattn.fileio import atomic_write_json
 from real_data import rundir
 from real_data.checkpoint import load_checkpoint, restore_rng_states, save_checkpoint
 from real_data.config import Config, config_from_dict, config_to_dict
 from real_data.federation import Diverged, Federation, FedState
 
-FAULT_ENV = "LINATTN_FAULT_PAUSE_BEFORE_CHECKPOINT"
-"""Test hook: pause forever after round N's metrics are written, before its checkpoint."""
+RoundHook = Callable[[int, Path], None]
+"""``on_round_end(round, run_dir)``: called once a round's rows are in ``metrics.csv`` and
+before its checkpoint is written (where a kill tests resuming)."""
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,7 @@ def _fresh_dir(base: Path) -> Path:
 
 def start_run(cfg: Config, out: Path | None = None, dataset=None, partition=None,
               snapshot_rounds: tuple[int, ...] = (), branch: Path | None = None,
-              trainer=None) -> RunResult:
+              trainer=None, on_round_end: RoundHook | None = None) -> RunResult:
     """Check everything, create the run directory, and train.
 
     Parameters
@@ -114,6 +116,8 @@ def start_run(cfg: Config, out: Path | None = None, dataset=None, partition=None
     trainer : optional
         Where each round's clients train (:class:`~real_data.federation.Federation`'s hook:
         ``real_data.distributed``, ``real_data.flower``); default this process.
+    on_round_end : callable, optional
+        ``on_round_end(round, run_dir)`` after each round's rows, before its checkpoint.
     """
     dataset = load_data(cfg) if dataset is None else dataset
     partition = make_partition_for(cfg, dataset) if partition is None else partition
@@ -129,7 +133,7 @@ def start_run(cfg: Config, out: Path | None = None, dataset=None, partition=None
 
     save_partition(partition, run_dir / "partition.npz")
     if snapshot_rounds:  # remembered, so that a resumed run still keeps them
-        (run_dir / SNAPSHOTS_FILE).write_text(json.dumps(sorted(set(snapshot_rounds))))
+        atomic_write_json(run_dir / SNAPSHOTS_FILE, sorted(set(snapshot_rounds)), indent=None)
     state, elapsed = fed.initial_state(), 0.0
     if branch is not None:
         state, extra, _ = load_checkpoint(branch, fed.device)
@@ -140,16 +144,17 @@ def start_run(cfg: Config, out: Path | None = None, dataset=None, partition=None
         elapsed = extra.get("elapsed", 0.0)
     if 0 in snapshot_rounds and state.round == 0:
         save_checkpoint(run_dir / "checkpoints" / "round_0.pt", state, {"elapsed": 0.0})
-    return _train(fed, state, run_dir, elapsed, snapshot_rounds)
+    return _train(fed, state, run_dir, elapsed, snapshot_rounds, on_round_end)
 
 
 SNAPSHOTS_FILE = "snapshot_rounds.json"  # the rounds start_run was asked to keep
 
 
-def resume_run(run_dir: Path, trainer=None) -> RunResult:
+def resume_run(run_dir: Path, trainer=None, on_round_end: RoundHook | None = None
+               ) -> RunResult:
     """Continue a run from ``checkpoints/last.pt`` (or from the start if there is none).
 
-    ``trainer``: as in :func:`start_run`.
+    ``trainer``, ``on_round_end``: as in :func:`start_run`.
     """
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").exists():
@@ -169,10 +174,9 @@ def resume_run(run_dir: Path, trainer=None) -> RunResult:
         elapsed = extra.get("elapsed", 0.0)
     for name in ("metrics.csv", "timings.csv"):
         rundir.truncate_rows(run_dir / name, state.round)
-    (run_dir / ".paused").unlink(missing_ok=True)
     snapshots = run_dir / SNAPSHOTS_FILE
     rounds = tuple(json.loads(snapshots.read_text())) if snapshots.is_file() else ()
-    return _train(fed, state, run_dir, elapsed, rounds)
+    return _train(fed, state, run_dir, elapsed, rounds, on_round_end)
 
 
 def _check_output_options(cfg: Config) -> None:
@@ -185,22 +189,28 @@ def _check_output_options(cfg: Config) -> None:
 
 
 def _train(fed: Federation, state: FedState, run_dir: Path, elapsed: float,
-           snapshot_rounds: tuple[int, ...]) -> RunResult:
+           snapshot_rounds: tuple[int, ...], on_round_end: RoundHook | None = None
+           ) -> RunResult:
     from tqdm import tqdm
 
     cfg = fed.cfg
     total = cfg.train.rounds
     metrics = rundir.CsvAppender(run_dir / "metrics.csv", rundir.HEADER)
+    # a metrics.csv written without the stage column is continued in its own format
+    tag_stage = "stage" in metrics.columns
     timings = rundir.CsvAppender(run_dir / "timings.csv", "round,seconds\n")
     board = _tensorboard(run_dir) if cfg.run.tensorboard else None
-    pause_at = int(os.environ.get(FAULT_ENV, "0") or 0)
     status, message = "completed", ""
+    best = (_best_so_far(run_dir / "metrics.csv") if cfg.run.progress and state.round
+            else (float("-inf"), 0))
     if fed.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(fed.device)
     bar = tqdm(total=total, initial=state.round, desc=run_dir.name[:40],
-               disable=not cfg.run.progress, leave=False)
+               disable=not cfg.run.progress, leave=True)
     for rnd in range(state.round + 1, total + 1):
-        # 1. one round; on NaN keep the last good checkpoint and stop
+        # 1. one round; on NaN keep the last good checkpoint and stop. plan_round depends only
+        #    on (round, server state), so this is the plan run_round follows
+        stage = fed.algorithm.plan_round(rnd, state.server_state).stage
         t_start = time.perf_counter()
         try:
             state, records = fed.run_round(state, rnd)
@@ -212,25 +222,28 @@ def _train(fed: Federation, state: FedState, run_dir: Path, elapsed: float,
         seconds = time.perf_counter() - t_start
         elapsed += seconds
         # 2. rows first, then the checkpoint (resume drops rows newer than the checkpoint)
-        metrics.append(records)
+        metrics.append([(*row, stage) for row in records] if tag_stage else records)
         timings.append([(rnd, seconds)])
         if board is not None:
             for _, client, key, value in records:
                 if client == "global":
                     board.add_scalar(key, value, rnd)
-        if rnd == pause_at:
-            (run_dir / ".paused").write_text(str(rnd))
-            while True:
-                time.sleep(1)
+        if on_round_end is not None:
+            on_round_end(rnd, run_dir)
         if rnd % cfg.run.checkpoint_every == 0 or rnd == total:
             save_checkpoint(run_dir / "checkpoints" / "last.pt", state, {"elapsed": elapsed})
         if rnd in snapshot_rounds:
             save_checkpoint(run_dir / "checkpoints" / f"round_{rnd}.pt", state,
                             {"elapsed": elapsed})
+        # 3. progress: the last and the best test accuracy so far
         bar.update(1)
         acc = next((v for r, c, k, v in records if c == "global" and k == "test_acc"), None)
         if acc is not None:
-            bar.set_postfix(test_acc=f"{acc:.3f}")
+            best = max(best, (acc, -rnd))
+            bar.set_postfix({"stage": stage, "test_acc": f"{acc:.3f}",
+                             "best": f"{best[0]:.3f} (round {-best[1]})"})
+        else:
+            bar.set_postfix({"stage": stage})
     bar.close()
     if board is not None:
         board.close()
@@ -244,6 +257,12 @@ def _train(fed: Federation, state: FedState, run_dir: Path, elapsed: float,
         fast.clear_cache()
         torch.cuda.empty_cache()
     return result
+
+
+def _best_so_far(metrics_path: Path) -> tuple[float, int]:
+    """(best test accuracy, -its round) of the rows already written (a resumed run)."""
+    acc = rundir.read_global_metrics(metrics_path).get("test_acc", [])
+    return max(((v, -r) for r, v in acc), default=(float("-inf"), 0))
 
 
 def _finish(fed, state, run_dir, elapsed, status, message) -> RunResult:

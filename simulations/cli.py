@@ -5,7 +5,7 @@
     linattn simulate bench [--out DIR] [--loop-seeds N]
 
 The router (``linattn/cli.py``) passes argv with argv[0] == "simulate". Bad input raises
-:class:`simulations.config.ConfigError` (``user_error = True``): exit status 2, nothing written.
+``simulations.config.ConfigError`` (``user_error = True``): exit status 2, nothing written.
 """
 
 from __future__ import annotations
@@ -22,25 +22,48 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
+DESCRIPTION = ("The synthetic federated simulator of linear attention: run a YAML config "
+               "(a single run or a sweep), check the theory's predictions P1-P6 on a grid, or "
+               "time the vectorized simulator against a plain loop. "
+               "Run 'linattn simulate COMMAND --help' for a command's options.")
+
+
 def _parser() -> argparse.ArgumentParser:
-    top = _Parser(prog="linattn simulate", description=__doc__,
-                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = top.add_subparsers(dest="command", parser_class=_Parser)
-    run = sub.add_parser("run", help="single run or sweep from a YAML config")
+    top = _Parser(prog="linattn simulate", description=DESCRIPTION)
+    sub = top.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND",
+                             title="commands", help="run, validate or bench")
+    run = sub.add_parser("run", help="single run or sweep from a YAML config",
+                         description="A single run or a sweep from a YAML config: writes "
+                         "config.yaml, metrics.csv and summary.json into the run directory.")
     run.add_argument("--config", required=True, help="YAML file (see simulations/configs)")
-    run.add_argument("--out", default=None, help="run directory (default runs/simulate/NAME-TIME)")
-    run.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    run.add_argument("overrides", nargs="*", help="dotted key=value, e.g. training.lr=0.05")
-    val = sub.add_parser("validate", help="checks P1-P6 on the default grid")
+    run.add_argument("--out", default=None, metavar="DIR",
+                     help="run directory (default: runs/simulate/NAME-TIME under the current "
+                     "directory)")
+    run.add_argument("--threads", type=int, default=1, metavar="N",
+                     help="torch threads (default 1)")
+    run.add_argument("overrides", nargs="*", metavar="key=value",
+                     help="dotted config overrides, e.g. training.lr=0.05")
+    val = sub.add_parser("validate", help="checks P1-P6 on the default grid",
+                         description="Check the theory's predictions P1-P6 against the "
+                         "simulator on the default grid (or the small one with --quick) and "
+                         "write validation.json and validation.md.")
     val.add_argument("--quick", action="store_true", help="small grid (seconds; for tests)")
-    val.add_argument("--out", default="runs/simulate/validation", help="output directory")
-    val.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    bench = sub.add_parser("bench", help="vectorized vs plain loop on the validation grid")
-    bench.add_argument("--out", default="docs/bench", help="directory for bench JSON")
-    bench.add_argument("--loop-seeds", type=int, default=None,
+    val.add_argument("--out", default="runs/simulate/validation", metavar="DIR",
+                     help="output directory (default: runs/simulate/validation under the "
+                     "current directory)")
+    val.add_argument("--threads", type=int, default=1, metavar="N",
+                     help="torch threads (default 1)")
+    bench = sub.add_parser("bench", help="vectorized vs plain loop on the validation grid",
+                           description="Time the vectorized simulator against a plain loop "
+                           "on the validation grid and write the timings as JSON.")
+    bench.add_argument("--out", default="docs/bench", metavar="DIR",
+                       help="directory for the bench JSON (default: docs/bench under the "
+                       "current directory)")
+    bench.add_argument("--loop-seeds", type=int, default=None, metavar="N",
                        help="seeds per setting timed with the plain loop (default: all)")
     bench.add_argument("--quick", action="store_true", help="quick grid")
-    bench.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    bench.add_argument("--threads", type=int, default=2, metavar="N",
+                       help="torch threads (default 2)")
     return top
 
 

@@ -22,12 +22,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import REPO, TINY, digits_dataset, random_partition, tiny_config, train_rounds
+from pause_run import command as pause_command
 
 from linattn.cli import main as linattn_main
 from real_data import distributed
 from real_data.distributed import ShardTrainer
 from real_data.federation import Federation
-from real_data.runs import FAULT_ENV, start_run
+from real_data.runs import start_run
 
 RTOL = 1e-6
 # SGD: Adam divides by sqrt(v) + eps, so a gradient entry near zero turns an ulp of
@@ -176,15 +177,15 @@ def _metrics(path: Path) -> list:
 def test_gloo_run_killed_and_resumed_equals_single_process(tmp_path):
     over = [*TINY, "train.rounds=5", "partition.num_clients=4", "algorithm.warmup_rounds=2",
             *SGD]
-    killed = tmp_path / "killed"
-    env = {**os.environ, FAULT_ENV: "3", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        _torchrun("-m", "linattn", "run", "--distributed", "--config", "digits_vit", *over,
-                  "--out", str(killed)),
-        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    killed, marker = tmp_path / "killed", tmp_path / "paused"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    script = pause_command("--round", "3", "--marker", str(marker), "--out", str(killed),
+                           "--distributed", *over)[1:]  # torchrun starts the interpreter
+    proc = subprocess.Popen(_torchrun(*script), cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.time() + 150
-        while not (killed / ".paused").exists():
+        while not marker.exists():
             assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
             assert time.time() < deadline, "the distributed run never reached round 3"
             time.sleep(0.1)

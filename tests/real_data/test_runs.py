@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import time
@@ -11,11 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, cli_command, run_cli, tiny_config
+from conftest import REPO, TINY, run_cli, tiny_config
+from pause_run import command as pause_command
 
 from linattn.cli import main as linattn_main
 from real_data import engines
-from real_data.runs import FAULT_ENV, start_run
+from real_data.runs import start_run
 from real_data.sweep import run_sweep
 
 
@@ -52,13 +52,13 @@ def test_bad_config_exit_code_through_the_command(tmp_path):
 
 def test_killed_run_resumes_to_identical_metrics(tmp_path):
     args = ["run", "--config", "digits_vit", *SMALL, "train.rounds=6"]
-    killed = tmp_path / "killed"
-    proc = subprocess.Popen(cli_command(*args, "--out", str(killed)), cwd=REPO,
-                            env={**os.environ, FAULT_ENV: "4"},
+    killed, marker = tmp_path / "killed", tmp_path / "paused"
+    proc = subprocess.Popen(pause_command("--round", "4", "--marker", str(marker), "--out",
+                                          str(killed), *SMALL, "train.rounds=6"), cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.time() + 150
-        while not (killed / ".paused").exists():
+        while not marker.exists():
             assert proc.poll() is None, proc.stderr.read().decode()
             assert time.time() < deadline, "the run never reached round 4"
             time.sleep(0.05)
@@ -125,7 +125,7 @@ def test_run_directory_contents(tmp_path):
     for key in ("final", "best", "wall_time_s", "code_version", "libraries", "device"):
         assert key in summary
     header = (res.run_dir / "metrics.csv").read_text().splitlines()[0]
-    assert header == "round,client,metric,value"
+    assert header == "round,client,metric,value,stage"
     assert (Path(res.run_dir) / "checkpoints" / "last.pt").exists()
 
 

@@ -1,0 +1,65 @@
+"""Start a run that stops between a round's metrics rows and its checkpoint, for kill tests.
+
+    python tests/real_data/pause_run.py --round N --marker FILE --out RUN_DIR [--distributed]
+        key=value ...
+
+The run (the shipped ``digits_vit`` config with the overrides) goes through
+:func:`real_data.runs.start_run` (or, with ``--distributed`` under torchrun,
+:func:`real_data.distributed.run_distributed`) with an ``on_round_end`` hook that, after round
+N's rows are written, creates FILE and waits forever, so the test can SIGKILL the process at the
+one point where ``metrics.csv`` is ahead of ``checkpoints/last.pt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def pause_at(round_: int, marker: Path):
+    """An ``on_round_end`` hook: after round ``round_``'s rows, write ``marker`` and hang."""
+
+    def hook(rnd: int, run_dir: Path) -> None:
+        if rnd == round_:
+            marker.write_text(str(rnd))
+            while True:
+                time.sleep(1)
+
+    return hook
+
+
+def command(*args: str) -> list[str]:
+    """argv that runs this file with ``args`` (for subprocess or torchrun)."""
+    return [sys.executable, __file__, *args]
+
+
+def main(argv: list[str]) -> int:
+    sys.path.insert(0, str(REPO))  # the checkout is not installed into the venv
+    from real_data.config import load_config
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--round", type=int, required=True)
+    ap.add_argument("--marker", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--distributed", action="store_true")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+    cfg = load_config("digits_vit", args.overrides)
+    hook = pause_at(args.round, args.marker)
+    if args.distributed:
+        from real_data.distributed import run_distributed
+
+        run_distributed(cfg, out=args.out, on_round_end=hook)
+    else:
+        from real_data.runs import start_run
+
+        start_run(cfg, out=args.out, on_round_end=hook)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
