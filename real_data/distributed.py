@@ -44,6 +44,7 @@ import torch.distributed as dist
 from linattn.configio import load_yaml
 from linattn.errors import UserError
 from real_data.engines import ClientResults
+from real_data.federation import TrainedRound
 
 REDUCIBLE: dict[str, Callable[[dict], bool]] = {
     "fedavg": lambda server_state: True,
@@ -51,7 +52,7 @@ REDUCIBLE: dict[str, Callable[[dict], bool]] = {
     "fedpart": lambda server_state: True,
     "fedsq": lambda server_state: True,
     # FedFrozen averages like FedAvg once T0 is known; its auto probe needs every client
-    "fedfrozen": lambda server_state: server_state.get("warmup_rounds") is not None,
+    "fedfrozen": lambda server_state: server_state.warmup_rounds is not None,
 }
 """Algorithm name -> whether its round can be reduced to the p-weighted sum of the updates
 (server update = base-class weighted average of the uploads plus bookkeeping on the ids; no
@@ -63,9 +64,8 @@ SCALARS = ("data_loss", "objective", "first_loss", "grad_norm_first", "grad_norm
 class ShardTrainer:
     """The round hook of :class:`~real_data.federation.Federation` for one rank.
 
-    ``trainer(fed, state, rnd, plan, ids, weights) -> (results, aggregation_weights,
-    (dispersion, update_norm) or None)``: trains this rank's share of ``ids`` and combines all
-    ranks' shares with one collective.
+    ``trainer(fed, state, rnd, plan, ids, weights) -> TrainedRound``: trains this rank's share
+    of ``ids`` and combines all ranks' shares with one collective.
     """
 
     def __init__(self, rank: int, world_size: int, device: torch.device) -> None:
@@ -89,7 +89,8 @@ class ShardTrainer:
         if reducible:
             return self._reduce(state.global_params, plan.trainable, results, weights, lo,
                                 len(ids))
-        return self._gather(state.global_params, plan.trainable, results, len(ids)), weights, None
+        return TrainedRound(self._gather(state.global_params, plan.trainable, results, len(ids)),
+                            weights)
 
     # -- the two collectives --------------------------------------------------------------
     def _reduce(self, global_params, names, results, weights, lo, n_clients):
@@ -118,7 +119,7 @@ class ShardTrainer:
         reduced = _results(avg, rows)
         # the average is one pseudo-client of weight 1: weighted_average returns it unchanged
         one = torch.ones(1, dtype=torch.float64, device=self.device)
-        return reduced, one, (dispersion, float(np.sqrt(d_sq)))
+        return TrainedRound(reduced, one, dispersion, float(np.sqrt(d_sq)))
 
     def _gather(self, global_params, names, results, n_clients) -> ClientResults:
         own = len(results.steps)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -16,7 +17,7 @@ import torch
 from real_data.algorithms import AlgorithmContext, get_algorithm
 from real_data.config import Config
 from real_data.device import resolve_device
-from real_data.engines import BatchPlanner, LocalJob, OptimizerSpec, get_engine
+from real_data.engines import BatchPlanner, ClientResults, LocalJob, OptimizerSpec, get_engine
 from real_data.metrics import (
     evaluate,
     local_summary,
@@ -44,8 +45,10 @@ class FedState:
     round : int
         Rounds completed (0 before training).
     global_params : dict
-    client_state, server_state : dict
-        The algorithm's state (see :mod:`real_data.algorithms.base`).
+    client_state : dict
+        The algorithm's per-client state (see :mod:`real_data.algorithms.base`).
+    server_state : dataclass or None
+        The algorithm's server state (see :mod:`real_data.algorithms.base`).
     prev_grad_norm_last : float or None
         Mean last-step gradient norm of the previous round (for ``grad_norm_jump``).
     """
@@ -53,8 +56,30 @@ class FedState:
     round: int
     global_params: dict[str, torch.Tensor]
     client_state: dict = field(default_factory=dict)
-    server_state: dict = field(default_factory=dict)
+    server_state: Any = None
     prev_grad_norm_last: float | None = None
+
+
+class TrainedRound(NamedTuple):
+    """What a trainer hook (:class:`Federation`'s ``trainer``) returns for one round.
+
+    Attributes
+    ----------
+    results : ClientResults
+        The round's client results, as :meth:`Federation.train_clients` returns them (or
+        their p-weighted reduction to one pseudo-client, with ``weights`` to match).
+    weights : torch.Tensor
+        The aggregation weights ``server_update`` receives with ``results``.
+    update_dispersion, update_norm : float or None
+        The round's update dispersion and norm over all clients, when the trainer computed
+        them itself (:func:`real_data.metrics.update_dispersion`); ``None``: computed from
+        ``results``.
+    """
+
+    results: ClientResults
+    weights: torch.Tensor
+    update_dispersion: float | None = None
+    update_norm: float | None = None
 
 
 def sample_clients(seed: int, rnd: int, num_clients: int, per_round: int | None) -> np.ndarray:
@@ -72,7 +97,8 @@ class Federation:
                  trainer=None):
         t = cfg.train
         self.cfg = cfg
-        # scale-out hook: trains the round elsewhere (real_data.distributed, real_data.flower)
+        # scale-out hook: trains the round elsewhere (real_data.distributed, real_data.flower);
+        # trainer(fed, state, rnd, plan, ids, weights) -> TrainedRound
         self.trainer = trainer
         self.device = device or resolve_device(t.device)
         self.dtype = torch.float64 if t.precision == "fp64" else torch.float32
@@ -126,16 +152,18 @@ class Federation:
         bytes_up = BYTES_PER_NUMBER * algo.upload_numel(plan, ids, state.server_state)
         # 2. local training on every sampled client (or on other processes: self.trainer)
         if self.trainer is None:
-            results = self.train_clients(state, rnd, plan, ids, ahead=True)
-            agg_weights, dispersion = weights, None
-        else:  # -> (results, weights for server_update, (dispersion, norm) or None)
-            results, agg_weights, dispersion = self.trainer(self, state, rnd, plan, ids, weights)
+            trained = TrainedRound(self.train_clients(state, rnd, plan, ids, ahead=True),
+                                   weights)
+        else:
+            trained = self.trainer(self, state, rnd, plan, ids, weights)
+        results = trained.results
         _check_finite(rnd, ids, results.objective, results.params)
         # 3. client state, then the server update
         algo.update_client_state(rnd, ids, state.global_params, results, state.client_state,
                                  state.server_state)
-        new_params = algo.server_update(rnd, plan, ids, state.global_params, results,
-                                        agg_weights, state.server_state)
+        update = algo.server_update(rnd, plan, ids, state.global_params, results,
+                                    trained.weights, state.server_state)
+        new_params = update.params
         _check_finite(rnd, ids, None, {n: new_params[n] for n in plan.upload})
         # 4. diagnostics of the round
         p = weights.double()
@@ -149,8 +177,12 @@ class Federation:
             "trainable_params": float(sum(new_params[n].numel() for n in plan.trainable)),
             "qk_change": relative_change(state.global_params, new_params, self.qk_names),
         }
-        g["update_dispersion"], g["update_norm"] = dispersion or update_dispersion(
-            state.global_params, results.params, weights)
+        if trained.update_dispersion is None:
+            g["update_dispersion"], g["update_norm"] = update_dispersion(
+                state.global_params, results.params, weights)
+        else:
+            g["update_dispersion"], g["update_norm"] = (trained.update_dispersion,
+                                                        trained.update_norm)
         g["update_dispersion_rel"] = g["update_dispersion"] / max(g["update_norm"], 1e-300)
         if state.prev_grad_norm_last is not None:
             g["grad_norm_jump"] = float(results.grad_norm_first.mean()) / max(
@@ -165,7 +197,7 @@ class Federation:
             g_eval, per_client = self.evaluate(new_state)
             g.update(g_eval)
             records += [(rnd, str(m), "local_test_acc", a) for m, a in per_client.items()]
-        g.update(algo.after_round(rnd, g, state.server_state))
+        g.update(update.metrics)
         records += [(rnd, "global", k, v) for k, v in sorted(g.items())]
         return new_state, records
 

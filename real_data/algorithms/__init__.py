@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 from linattn.errors import ConfigError
-from real_data.algorithms.base import Algorithm, AlgorithmContext, RoundPlan, weighted_average
+from real_data.algorithms.base import (
+    Algorithm,
+    AlgorithmContext,
+    RoundPlan,
+    ServerUpdate,
+    weighted_average,
+)
 from real_data.algorithms.fedavg import FedAvg, FedAvgParams
-from real_data.algorithms.fedfrozen import FedFrozen, FedFrozenParams
-from real_data.algorithms.fedpart import FedPart, FedPartParams
+from real_data.algorithms.fedfrozen import FedFrozen, FedFrozenParams, FedFrozenState
+from real_data.algorithms.fedpart import FedPart, FedPartParams, FedPartState
 from real_data.algorithms.fedprox import FedProx, FedProxParams
-from real_data.algorithms.fedsq import FedSQ, FedSQParams
-from real_data.algorithms.fedtp import FedTP, FedTPParams
-from real_data.algorithms.scaffold import Scaffold, ScaffoldParams
+from real_data.algorithms.fedsq import FedSQ, FedSQParams, FedSQState
+from real_data.algorithms.fedtp import FedTP, FedTPParams, FedTPState
+from real_data.algorithms.scaffold import Scaffold, ScaffoldParams, ScaffoldState
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
     cls.name: cls for cls in (FedAvg, FedProx, Scaffold, FedFrozen, FedPart, FedTP, FedSQ)
@@ -24,17 +30,23 @@ __all__ = [
     "FedAvgParams",
     "FedFrozen",
     "FedFrozenParams",
+    "FedFrozenState",
     "FedPart",
     "FedPartParams",
+    "FedPartState",
     "FedProx",
     "FedProxParams",
     "FedSQ",
     "FedSQParams",
+    "FedSQState",
     "FedTP",
     "FedTPParams",
+    "FedTPState",
     "RoundPlan",
     "Scaffold",
     "ScaffoldParams",
+    "ScaffoldState",
+    "ServerUpdate",
     "get_algorithm",
     "weighted_average",
 ]

@@ -8,19 +8,22 @@ The round loop (:mod:`real_data.federation`) is written once. Per round it asks 
 3. :meth:`Algorithm.regularizer` (+ :meth:`Algorithm.forward`) -- the local objective
    ``data loss + regularizer``, used by the optimizer and by the logged loss alike;
 4. :meth:`Algorithm.update_client_state` -- per-client persistent state after local training;
-5. :meth:`Algorithm.server_update` -- the new global parameters (and server state);
+5. :meth:`Algorithm.server_update` -- the new global parameters and the round's extra
+   metrics (a :class:`ServerUpdate`), updating the server state in place;
 6. :meth:`Algorithm.eval_params` -- a client's personalized model for local evaluation.
 
 State. ``client_state`` is a dict of tensors with a leading axis over *all* clients (the loop
-slices the round's clients); ``server_state`` is a dict of tensors, numbers or modules (for
-server-side trainable modules such as a hypernetwork), checkpointed with ``torch.save``.
-``aux_params`` are held once and passed to ``forward`` (a second, frozen model copy).
+slices the round's clients). ``server_state`` is what :meth:`Algorithm.init_server_state`
+returns: ``None`` for an algorithm without one, else a dataclass of the algorithm's own
+(tensors, numbers, arrays or modules such as a hypernetwork), checkpointed with ``torch.save``.
+``aux_params`` are held once and passed to ``forward`` (a second, frozen model copy). At the
+end of a run :meth:`Algorithm.run_summary` gives the algorithm's entries of ``summary.json``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -55,6 +58,23 @@ class RoundPlan:
     extra_upload: int = 0
     extra_download: int = 0
     stage: str = "full"
+
+
+@dataclass(frozen=True)
+class ServerUpdate:
+    """What :meth:`Algorithm.server_update` returns.
+
+    Attributes
+    ----------
+    params : dict
+        The new global parameters.
+    metrics : dict
+        Extra global metrics of the round (FedFrozen's probe constants, FedPart's layer
+        group), logged with the round's other global metrics.
+    """
+
+    params: dict[str, torch.Tensor]
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -119,9 +139,13 @@ class Algorithm:
         """
         return global_params
 
-    def init_server_state(self, global_params: dict[str, torch.Tensor]) -> dict:
-        """Server state before round 1 (tensors, numbers, modules); default none."""
-        return {}
+    def init_server_state(self, global_params: dict[str, torch.Tensor]) -> Any:
+        """Server state before round 1: a dataclass of the algorithm's own; default ``None``.
+
+        The round loop hands it back to every method below as ``server_state``; the methods
+        update it in place.
+        """
+        return None
 
     def init_client_state(self, global_params: dict[str, torch.Tensor]) -> dict:
         """Per-client state before round 1, each tensor ``(num_clients, ...)``; default none."""
@@ -132,7 +156,7 @@ class Algorithm:
         return {}
 
     # -- one round --------------------------------------------------------------------------
-    def plan_round(self, rnd: int, server_state: dict) -> RoundPlan:
+    def plan_round(self, rnd: int, server_state: Any) -> RoundPlan:
         """Round ``rnd`` (1-based): everything trains and is exchanged."""
         names = self.ctx.names
         return RoundPlan(names, names, names)
@@ -142,7 +166,7 @@ class Algorithm:
         client_ids: np.ndarray,
         global_params: dict[str, torch.Tensor],
         client_state: dict,
-        server_state: dict,
+        server_state: Any,
     ) -> dict[str, torch.Tensor]:
         """Per-client start values ``(C, ...)`` that replace global ones; default none."""
         return {}
@@ -151,12 +175,19 @@ class Algorithm:
         """Model output for a batch with the given parameters (functional call)."""
         return functional_call(model, params, (x,))
 
+    @classmethod
+    def has_model_forward(cls) -> bool:
+        """True when :meth:`forward` is this base class's, the model's own function: an engine
+        may then compute it with an equivalent forward of its own (the fast engine's stacked
+        forward). A subclass that overrides :meth:`forward` gets ``False``."""
+        return cls.forward is Algorithm.forward
+
     def regularizer(
         self,
         params: dict[str, torch.Tensor],
         anchor: dict[str, torch.Tensor],
         client_state: dict,
-        server_state: dict,
+        server_state: Any,
     ) -> torch.Tensor | float:
         """Term added to the data loss in the local objective (``params``: trainable only).
 
@@ -173,9 +204,13 @@ class Algorithm:
         global_params: dict[str, torch.Tensor],
         results: ClientResults,
         client_state: dict,
-        server_state: dict,
+        server_state: Any,
     ) -> None:
-        """Update ``client_state`` in place for the round's clients; default nothing."""
+        """Update ``client_state`` in place for the round's clients; default nothing.
+
+        Called before :meth:`server_update`; server state that follows from the clients' new
+        state (SCAFFOLD's server control variate) is updated here as well.
+        """
 
     def server_update(
         self,
@@ -185,37 +220,39 @@ class Algorithm:
         global_params: dict[str, torch.Tensor],
         results: ClientResults,
         weights: torch.Tensor,
-        server_state: dict,
-    ) -> dict[str, torch.Tensor]:
-        """New global parameters: the p-weighted average of the uploaded parameters."""
+        server_state: Any,
+    ) -> ServerUpdate:
+        """New global parameters: the p-weighted average of the uploaded parameters; no
+        extra metrics."""
         new = dict(global_params)
         for n in plan.upload:
             new[n] = weighted_average(results.params[n], weights)
-        return new
-
-    def after_round(self, rnd: int, record: dict, server_state: dict) -> dict[str, float]:
-        """Called with the round's global metrics; may update state, returns extra metrics."""
-        return {}
+        return ServerUpdate(new)
 
     def eval_params(
         self,
         client_id: int,
         global_params: dict[str, torch.Tensor],
         client_state: dict,
-        server_state: dict,
+        server_state: Any,
     ) -> dict[str, torch.Tensor] | None:
         """A client's personalized parameters for its local test split; ``None``: global."""
         return None
 
-    def download_numel(self, plan: RoundPlan, client_ids: np.ndarray, server_state: dict) -> int:
+    def download_numel(self, plan: RoundPlan, client_ids: np.ndarray, server_state: Any) -> int:
         """Numbers sent down this round, summed over the round's clients."""
         per = sum(_numel(self.ctx.shapes[n]) for n in plan.download) + plan.extra_download
         return per * len(client_ids)
 
-    def upload_numel(self, plan: RoundPlan, client_ids: np.ndarray, server_state: dict) -> int:
+    def upload_numel(self, plan: RoundPlan, client_ids: np.ndarray, server_state: Any) -> int:
         """Numbers sent up this round, summed over the round's clients."""
         per = sum(_numel(self.ctx.shapes[n]) for n in plan.upload) + plan.extra_upload
         return per * len(client_ids)
+
+    def run_summary(self, server_state: Any) -> dict:
+        """Entries the algorithm adds to the run's ``summary.json`` (FedFrozen's measured
+        warm-up constants and recommended T0); default none."""
+        return {}
 
     def tag(self) -> str:
         """Short label with the algorithm's key settings, used in run-directory names."""

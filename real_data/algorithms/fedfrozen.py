@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
 
 from linattn.errors import ConfigError, UserError
-from real_data.algorithms.base import Algorithm, RoundPlan
+from linattn_theory.warmup import WarmupConstants, recommend_warmup
+from real_data.algorithms.base import Algorithm, RoundPlan, ServerUpdate
 from real_data.algorithms.warmup_probe import estimate_constants, round_statistics
 from real_data.models.groups import names_of_kind
 
@@ -46,6 +47,29 @@ class FedFrozenParams:
             raise ConfigError(f"algorithm.probe_rounds={self.probe_rounds} must be >= 2")
 
 
+@dataclass
+class FedFrozenState:
+    """FedFrozen's server state.
+
+    Attributes
+    ----------
+    holds_qk : np.ndarray
+        ``(num_clients,)`` bool: the client has received the frozen Q/K.
+    warmup_rounds : int or None
+        T0; with ``warmup="auto"`` ``None`` until the probe has recommended it.
+    probe : list of dict
+        The probe rounds' statistics (:func:`~real_data.algorithms.warmup_probe.
+        round_statistics`), kept until T0 is recommended.
+    constants : dict or None
+        The measured constants, the loss floor, the regime and the recommended T0 (auto).
+    """
+
+    holds_qk: np.ndarray
+    warmup_rounds: int | None = None
+    probe: list[dict] = field(default_factory=list)
+    constants: dict | None = None
+
+
 class FedFrozen(Algorithm):
     """Two stages: FedAvg for t <= T0, then Q/K frozen, held once and never sent.
 
@@ -72,18 +96,16 @@ class FedFrozen(Algorithm):
             self.frozen_train = names_of_kind(ctx.groups, "v")
         else:
             self.frozen_train = tuple(n for n in ctx.names if n not in self.qk)
-        self._pending: dict[str, float] = {}
 
-    def init_server_state(self, global_params):
+    def init_server_state(self, global_params) -> FedFrozenState:
         fixed = self.params.warmup == "fixed"
-        return {"warmup_rounds": self.params.warmup_rounds if fixed else None,
-                "holds_qk": np.zeros(self.ctx.num_clients, dtype=bool), "probe": [],
-                "constants": None}
+        return FedFrozenState(np.zeros(self.ctx.num_clients, dtype=bool),
+                              self.params.warmup_rounds if fixed else None)
 
-    def _frozen(self, rnd: int, server_state: dict) -> bool:
+    def _frozen(self, rnd: int, server_state: FedFrozenState) -> bool:
         # a fixed T0 comes from the config (so a T0 sweep can branch a warm-up checkpoint)
         fixed = self.params.warmup == "fixed"
-        t0 = self.params.warmup_rounds if fixed else server_state["warmup_rounds"]
+        t0 = self.params.warmup_rounds if fixed else server_state.warmup_rounds
         return t0 is not None and rnd > t0
 
     def plan_round(self, rnd, server_state):
@@ -97,26 +119,29 @@ class FedFrozen(Algorithm):
         base = super().download_numel(plan, client_ids, server_state)
         if plan.stage != "frozen":
             return base
-        missing = int((~server_state["holds_qk"][client_ids]).sum())
+        missing = int((~server_state.holds_qk[client_ids]).sum())
         return base + missing * sum(int(np.prod(self.ctx.shapes[n])) for n in self.qk)
 
     def server_update(self, rnd, plan, client_ids, global_params, results, weights,
                       server_state):
+        metrics = {}
         if plan.stage == "frozen":
-            server_state["holds_qk"][client_ids] = True
-        elif self.params.warmup == "auto" and server_state["warmup_rounds"] is None:
-            self._probe(rnd, global_params, results, weights, server_state)
-        return super().server_update(rnd, plan, client_ids, global_params, results, weights,
-                                      server_state)
+            server_state.holds_qk[client_ids] = True
+        elif self.params.warmup == "auto" and server_state.warmup_rounds is None:
+            metrics = self._probe(rnd, global_params, results, weights, server_state)
+        update = super().server_update(rnd, plan, client_ids, global_params, results, weights,
+                                       server_state)
+        return ServerUpdate(update.params, metrics)
 
-    def _probe(self, rnd, global_params, results, weights, server_state) -> None:
-        probe = server_state["probe"]
+    def _probe(self, rnd, global_params, results, weights,
+               server_state: FedFrozenState) -> dict[str, float]:
+        """Record a probe round; after the last one set T0 and return the measured constants
+        as metrics (none before)."""
+        probe = server_state.probe
         probe.append(round_statistics(global_params, results.params, results.first_loss,
                                       results.steps, weights, self.ctx.optimizer.lr))
         if len(probe) < self.params.probe_rounds:
-            return
-        from linattn_theory.warmup import WarmupConstants, recommend_warmup
-
+            return {}
         est = estimate_constants(probe, self.ctx.optimizer.lr, self.ctx.total_rounds)
         floor = est.pop("loss_floor")
         try:
@@ -125,16 +150,19 @@ class FedFrozen(Algorithm):
             raise UserError(f"algorithm.warmup=auto: no T0 from the probe constants {est} "
                             f"({exc}); set algorithm.warmup=fixed and warmup_rounds") from exc
         t0 = int(np.clip(rec.warmup_rounds, rnd, self.ctx.total_rounds))
-        server_state["warmup_rounds"] = t0
-        server_state["constants"] = {**est, "loss_floor": floor, "regime": rec.regime,
-                                     "recommended": int(rec.warmup_rounds)}
-        server_state["probe"] = []  # the flat vectors are no longer needed
-        self._pending = {f"probe_{k}": float(v) for k, v in est.items()}
-        self._pending.update(probe_loss_floor=floor, warmup_rounds_recommended=float(t0))
+        server_state.warmup_rounds = t0
+        server_state.constants = {**est, "loss_floor": floor, "regime": rec.regime,
+                                  "recommended": int(rec.warmup_rounds)}
+        server_state.probe = []  # the flat vectors are no longer needed
+        metrics = {f"probe_{k}": float(v) for k, v in est.items()}
+        metrics.update(probe_loss_floor=floor, warmup_rounds_recommended=float(t0))
+        return metrics
 
-    def after_round(self, rnd, record, server_state):
-        out, self._pending = self._pending, {}
-        return out
+    def run_summary(self, server_state: FedFrozenState) -> dict:
+        if server_state.constants is None:
+            return {}
+        return {"warmup": {"warmup_rounds": server_state.warmup_rounds,
+                           "constants": server_state.constants}}
 
     def tag(self) -> str:
         t0 = "auto" if self.params.warmup == "auto" else str(self.params.warmup_rounds)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from linattn.errors import ConfigError
-from real_data.algorithms.base import Algorithm, RoundPlan
+from real_data.algorithms.base import Algorithm, RoundPlan, ServerUpdate
 from real_data.models.groups import ParamGroup
 
 
@@ -95,6 +95,23 @@ def active_group(rnd: int, params: FedPartParams, num_groups: int) -> int | None
     return pos // params.rounds_per_group if pos < partial else None
 
 
+@dataclass
+class FedPartState:
+    """FedPart's server state: what each client last received.
+
+    Attributes
+    ----------
+    changed : dict
+        Parameter name -> the last round its global value changed at the server (0: never).
+    synced : np.ndarray
+        ``(num_clients,)`` int64: the round whose global model each client last received
+        (-1: never sampled).
+    """
+
+    changed: dict[str, int]
+    synced: np.ndarray
+
+
 class FedPart(Algorithm):
     """Partial network updates: in most rounds one layer group trains, is averaged and is sent.
 
@@ -140,10 +157,9 @@ class FedPart(Algorithm):
         """The active layer group of round ``rnd`` (``None``: full network)."""
         return active_group(rnd, self.params, len(self.layer_groups))
 
-    def init_server_state(self, global_params):
-        # last round each tensor changed at the server; last round each client synced to
-        return {"changed": {n: 0 for n in self.ctx.names},
-                "synced": np.full(self.ctx.num_clients, -1, dtype=np.int64)}
+    def init_server_state(self, global_params) -> FedPartState:
+        return FedPartState({n: 0 for n in self.ctx.names},
+                            np.full(self.ctx.num_clients, -1, dtype=np.int64))
 
     def plan_round(self, rnd, server_state):
         g = self.group_of(rnd)
@@ -154,7 +170,7 @@ class FedPart(Algorithm):
         return RoundPlan(names, names, names, stage=f"group{g}")
 
     def download_numel(self, plan, client_ids, server_state):
-        changed, synced = server_state["changed"], server_state["synced"]
+        changed, synced = server_state.changed, server_state.synced
         total = 0
         for m in client_ids:
             total += sum(int(np.prod(self.ctx.shapes[n])) for n, t in changed.items()
@@ -163,15 +179,13 @@ class FedPart(Algorithm):
 
     def server_update(self, rnd, plan, client_ids, global_params, results, weights,
                       server_state):
-        server_state["synced"][client_ids] = rnd - 1  # they received the round-(t-1) model
+        server_state.synced[client_ids] = rnd - 1  # they received the round-(t-1) model
         for n in plan.upload:
-            server_state["changed"][n] = rnd
-        return super().server_update(rnd, plan, client_ids, global_params, results, weights,
-                                      server_state)
-
-    def after_round(self, rnd, record, server_state):
+            server_state.changed[n] = rnd
+        update = super().server_update(rnd, plan, client_ids, global_params, results, weights,
+                                       server_state)
         g = self.group_of(rnd)
-        return {"fedpart_group": -1.0 if g is None else float(g)}
+        return ServerUpdate(update.params, {"fedpart_group": -1.0 if g is None else float(g)})
 
     def tag(self) -> str:
         p = self.params

@@ -15,6 +15,7 @@ from linattn.errors import ConfigError, UserError
 from real_data.algorithms.base import Algorithm, RoundPlan
 from real_data.models.groups import names_of_kind
 from real_data.models.layers import MLP, Attention
+from real_data.pretrain import load_pretrained
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,26 @@ def _hooks(modules: list[nn.Module], hook):
             h.remove()
 
 
+@dataclass
+class FedSQState:
+    """FedSQ's server state.
+
+    Attributes
+    ----------
+    structure : dict or None
+        S, the frozen structural copy (``None`` until the warm-up of the scratch variant
+        ends).
+    holds : np.ndarray
+        ``(num_clients,)`` bool: the client has taken part in a DualCopy round (it holds S).
+    first_dual_done : bool
+        A DualCopy round has run (from then on a newly sampled client also receives S).
+    """
+
+    structure: dict[str, torch.Tensor] | None
+    holds: np.ndarray
+    first_dual_done: bool = False
+
+
 class FedSQ(Algorithm):
     """FedSQ on a Transformer: S frozen and never sent after initialization, Q trained.
 
@@ -136,7 +157,7 @@ class FedSQ(Algorithm):
     - The paper's metrics, best validation accuracy and rounds to best, are ``best.test_acc``
       (value and round) in ``summary.json``; the test split stands in for validation.
 
-    S lives in ``server_state["structure"]`` (checkpointed: the scratch variant makes it
+    S lives in the server state (:class:`FedSQState`, checkpointed: the scratch variant makes it
     mid-run) and :meth:`plan_round` hands it to :meth:`forward`, so evaluating a loaded state
     needs one ``plan_round`` call first.
     """
@@ -159,8 +180,6 @@ class FedSQ(Algorithm):
             self._pretrained = self._load(params.pretrained)
 
     def _load(self, path: str) -> dict[str, torch.Tensor]:
-        from real_data.pretrain import load_pretrained
-
         loaded, meta = load_pretrained(path)
         trained_on, ours = meta.get("model_config") or {}, self.ctx.model or {}
         for key in ("attention", "activation", "dim", "depth", "heads", "mlp_dim"):
@@ -194,8 +213,7 @@ class FedSQ(Algorithm):
             like = next(iter(global_params.values()))
             structure = {n: p.to(like.device, like.dtype) for n, p in self._pretrained.items()}
         self._structure = structure
-        return {"structure": structure, "holds": np.zeros(self.ctx.num_clients, dtype=bool),
-                "first_dual_done": False}
+        return FedSQState(structure, np.zeros(self.ctx.num_clients, dtype=bool))
 
     def aux_params(self):
         """S, the frozen structural copy (empty before the warm-up of the scratch variant)."""
@@ -203,7 +221,8 @@ class FedSQ(Algorithm):
 
     # -- one round ----------------------------------------------------------------------------
     def plan_round(self, rnd, server_state):
-        self._structure = server_state["structure"]  # also after a resume from a checkpoint
+        # forward sees no server state: S is cached here (also after a resume from a checkpoint)
+        self._structure = server_state.structure
         names = self.ctx.names
         if self._structure is None:
             return RoundPlan(names, names, names, stage="warmup")
@@ -221,22 +240,22 @@ class FedSQ(Algorithm):
         base = super().download_numel(plan, client_ids, server_state)
         if plan.stage != "dual":
             return base
-        holds = server_state["holds"][client_ids]
-        if server_state["first_dual_done"]:
+        holds = server_state.holds[client_ids]
+        if server_state.first_dual_done:
             size = sum(int(np.prod(s)) for s in self.ctx.shapes.values())
             base += int((~holds).sum()) * size
         return base
 
     def server_update(self, rnd, plan, client_ids, global_params, results, weights,
                       server_state):
-        new = super().server_update(rnd, plan, client_ids, global_params, results, weights,
-                                    server_state)
+        update = super().server_update(rnd, plan, client_ids, global_params, results, weights,
+                                       server_state)
         if plan.stage == "dual":
-            server_state["holds"][client_ids] = True
-            server_state["first_dual_done"] = True
+            server_state.holds[client_ids] = True
+            server_state.first_dual_done = True
         elif rnd == self.params.warmup_rounds:  # from-scratch variant: S = round-T0 model
-            server_state["structure"] = {n: p.detach().clone() for n, p in new.items()}
-        return new
+            server_state.structure = {n: p.detach().clone() for n, p in update.params.items()}
+        return update
 
     def tag(self) -> str:
         p = self.params

@@ -60,6 +60,23 @@ def attention_projections(groups) -> list[list[str]]:
     return [layers[i] for i in sorted(layers)]
 
 
+@dataclass
+class FedTPState:
+    """FedTP's server state (the ``hypernetwork`` variant; ``vanilla`` has none).
+
+    Attributes
+    ----------
+    hypernet : HyperNetwork
+        h(.; phi), trained on the server.
+    momentum : list of torch.Tensor or None
+        The SGD momentum buffer of every hypernetwork parameter (``None`` before the first
+        step).
+    """
+
+    hypernet: HyperNetwork
+    momentum: list[torch.Tensor] | None = None
+
+
 class FedTP(Algorithm):
     """FedTP: the server's hypernetwork writes each client's attention projections.
 
@@ -105,9 +122,9 @@ class FedTP(Algorithm):
         self.hypernetwork = params.variant == "hypernetwork"
 
     # -- state --------------------------------------------------------------------------------
-    def init_server_state(self, global_params):
+    def init_server_state(self, global_params) -> FedTPState | None:
         if not self.hypernetwork:
-            return {}
+            return None
         like = global_params[self.attn[0]]
         specs = [{n: self.ctx.shapes[n] for n in layer if n in self.attn}
                  for layer in self.per_layer]
@@ -116,7 +133,7 @@ class FedTP(Algorithm):
             torch.manual_seed(seed)
             hnet = HyperNetwork(self.ctx.num_clients, specs, self.params.embedding_dim,
                                 self.params.hidden_dim, self.params.n_hidden)
-        return {"hypernet": hnet.to(device=like.device, dtype=like.dtype), "momentum": None}
+        return FedTPState(hnet.to(device=like.device, dtype=like.dtype))
 
     def init_client_state(self, global_params):
         if self.hypernetwork:
@@ -132,8 +149,8 @@ class FedTP(Algorithm):
             return RoundPlan(names, names, names, stage="hypernetwork")
         return RoundPlan(names, self.rest, self.rest, stage="vanilla")
 
-    def _generate(self, client_ids, server_state) -> dict[str, torch.Tensor]:
-        hnet = server_state["hypernet"]
+    def _generate(self, client_ids, server_state: FedTPState) -> dict[str, torch.Tensor]:
+        hnet = server_state.hypernet
         ids = torch.as_tensor(np.asarray(client_ids), device=hnet.embeddings.weight.device)
         with torch.no_grad():
             return hnet(ids.long())
@@ -154,21 +171,21 @@ class FedTP(Algorithm):
 
     def server_update(self, rnd, plan, client_ids, global_params, results, weights,
                       server_state):
-        new = super().server_update(rnd, plan, client_ids, global_params, results, weights,
-                                    server_state)
+        update = super().server_update(rnd, plan, client_ids, global_params, results, weights,
+                                       server_state)
         if self.hypernetwork:
             self._hypernet_step(client_ids, results, weights, server_state)
-        return new
+        return update
 
-    def _hypernet_step(self, client_ids, results, weights, server_state) -> None:
-        hnet = server_state["hypernet"]
+    def _hypernet_step(self, client_ids, results, weights, server_state: FedTPState) -> None:
+        hnet = server_state.hypernet
         generated = self._generate(client_ids, server_state)
         deltas = {a: generated[a] - results.params[a].to(generated[a].dtype) for a in self.attn}
         ids = torch.as_tensor(np.asarray(client_ids), device=hnet.embeddings.weight.device)
         grads = hypernet_gradient(hnet, ids.long(), deltas, weights)
         p = self.params
-        server_state["momentum"] = sgd_momentum_step(
-            list(hnet.parameters()), grads, server_state["momentum"], p.server_lr,
+        server_state.momentum = sgd_momentum_step(
+            list(hnet.parameters()), grads, server_state.momentum, p.server_lr,
             p.server_momentum, p.server_weight_decay)
 
     def eval_params(self, client_id, global_params, client_state, server_state):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from linattn.errors import ConfigError
-from real_data.algorithms.base import Algorithm, RoundPlan, weighted_average
+from real_data.algorithms.base import Algorithm, RoundPlan, ServerUpdate, weighted_average
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,19 @@ class ScaffoldParams:
             raise ConfigError(f"algorithm.server_lr={self.server_lr} must be > 0")
 
 
+@dataclass
+class ScaffoldState:
+    """SCAFFOLD's server state.
+
+    Attributes
+    ----------
+    c : dict
+        The server control variate c, one tensor per parameter (shaped like it).
+    """
+
+    c: dict[str, torch.Tensor]
+
+
 class Scaffold(Algorithm):
     """Drift-corrected local steps with server and client control variates c, c_m.
 
@@ -35,6 +48,8 @@ class Scaffold(Algorithm):
     After K_m local steps (option II): c_m+ = c_m - c + (x - y_m) / (K_m eta); the client sends
     y_m and Delta c_m = c_m+ - c_m. Server: x <- x + eta_g sum_m p_m (y_m - x) and
     c <- c + (1/N) sum_{m in S} Delta c_m (N clients in all, as in the paper's |S|/N * mean).
+    Both control variates are updated in :meth:`update_client_state`, where the Delta c_m are
+    formed; :meth:`server_update` moves x only.
     With momentum or Adam the (x - y)/(K eta) estimate is only approximate; the paper uses SGD.
     Control variates are sent with the model, doubling both directions' traffic.
     """
@@ -42,8 +57,8 @@ class Scaffold(Algorithm):
     name = "scaffold"
     Params = ScaffoldParams
 
-    def init_server_state(self, global_params):
-        return {"c": {n: torch.zeros_like(p) for n, p in global_params.items()}}
+    def init_server_state(self, global_params) -> ScaffoldState:
+        return ScaffoldState({n: torch.zeros_like(p) for n, p in global_params.items()})
 
     def init_client_state(self, global_params):
         n_clients = self.ctx.num_clients
@@ -56,21 +71,22 @@ class Scaffold(Algorithm):
         return RoundPlan(names, names, names, extra_upload=size, extra_download=size)
 
     def regularizer(self, params, anchor, client_state, server_state):
-        c = server_state["c"]
+        c = server_state.c
         return sum(((c[n] - client_state[n]) * p).sum() for n, p in params.items())
 
     def update_client_state(self, rnd, client_ids, global_params, results, client_state,
                             server_state):
         idx = torch.as_tensor(client_ids, device=results.steps.device).long()
         k_eta = results.steps.double() * self.ctx.optimizer.lr  # (C,)
-        self._delta_c = {}
-        for n, c in server_state["c"].items():
+        server_c = server_state.c
+        for n, c in list(server_c.items()):
             y = results.params[n]
             scale = k_eta.to(y.device).reshape(-1, *([1] * (y.dim() - 1))).to(y.dtype)
             ci = client_state[n][idx.to(client_state[n].device)]
             ci_new = ci - c + (global_params[n] - y) / scale
-            self._delta_c[n] = (ci_new - ci).sum(dim=0)
+            delta_c = (ci_new - ci).sum(dim=0)  # sum over the round's clients of Delta c_m
             client_state[n][idx.to(client_state[n].device)] = ci_new
+            server_c[n] = c + delta_c / self.ctx.num_clients
 
     def server_update(self, rnd, plan, client_ids, global_params, results, weights,
                       server_state):
@@ -79,9 +95,7 @@ class Scaffold(Algorithm):
         for n, x in global_params.items():
             avg = weighted_average(results.params[n], weights)
             new[n] = avg if eta_g == 1.0 else x + eta_g * (avg - x)
-        for n in server_state["c"]:
-            server_state["c"][n] = server_state["c"][n] + self._delta_c[n] / self.ctx.num_clients
-        return new
+        return ServerUpdate(new)
 
     def tag(self) -> str:
         lr_g = self.params.server_lr

@@ -37,6 +37,7 @@ from linattn.configio import load_yaml
 from linattn.errors import ConfigError, UserError
 from real_data.config import config_to_dict
 from real_data.engines import ClientResults
+from real_data.federation import TrainedRound
 from real_data.flower.client import RESULTS
 
 
@@ -99,7 +100,7 @@ class LinattnStrategy(FedAvg):
         messages = self.configure_train(rnd, arrays, ConfigRecord(), self.grid)
         replies = list(self.grid.send_and_receive(messages, timeout=self.timeout))
         self.aggregate_train(rnd, replies)
-        return self.round_results, self.round_weights, None
+        return TrainedRound(self.round_results, self.round_weights)
 
     # -- Flower's per-round steps ---------------------------------------------------------
     def configure_train(self, server_round, arrays, config, grid):

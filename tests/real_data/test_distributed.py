@@ -119,7 +119,7 @@ def test_sharded_rounds_equal_single_process(monkeypatch, overrides, path):
     monkeypatch.setattr(distributed, "dist", SimpleNamespace(
         all_reduce=fake.all_reduce, all_gather=fake.all_gather))
     assert (distributed.REDUCIBLE.get(cfg.algorithm.name, lambda s: False)(
-        {"warmup_rounds": 2}) is (path == "reduce"))
+        SimpleNamespace(warmup_rounds=2)) is (path == "reduce"))
     rank0, rank1 = sharded_records(cfg, dataset, partition, 4, fake)
     assert rank0 == rank1  # every rank holds the same reduced round
     assert_records_close(single, rank0)

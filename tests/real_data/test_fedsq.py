@@ -129,7 +129,7 @@ def test_structure_never_changes_and_is_never_sent(tmp_path, digits64, strict):
     for rnd in range(1, 5):
         state, rec = fed.run_round(state, rnd)
         records += rec
-        for n, s in state.server_state["structure"].items():
+        for n, s in state.server_state.structure.items():
             assert torch.equal(s, loaded[n]), (rnd, n)  # S bit-identical to the file
     get = {(r, k): v for r, c, k, v in records if c == "global"}
     ids = [set(sample_clients(fed.cfg.role_seed("sampling"), t, 4, 2).tolist())
@@ -156,7 +156,7 @@ def test_from_scratch_variant_takes_s_after_the_warmup(digits64):
         if rnd == 2:
             t0 = {n: p.clone() for n, p in state.global_params.items()}
     assert stages == ["warmup", "warmup", "dual", "dual"]
-    for n, s in state.server_state["structure"].items():
+    for n, s in state.server_state.structure.items():
         assert torch.equal(s, t0[n])
     assert any(not torch.equal(state.global_params[n], t0[n]) for n in t0)  # Q moved on
 

@@ -97,7 +97,7 @@ def test_round_takes_one_sgd_step_on_the_p_weighted_delta(digits64):
                      digits64, part)
     state, jobs = fed.initial_state(), []
     _spy(fed, jobs)
-    hnet = state.server_state["hypernet"]
+    hnet = state.server_state.hypernet
     before = [p.detach().clone() for p in hnet.parameters()]
     state, _ = fed.run_round(state, 1)
     (job, res), = jobs
@@ -149,7 +149,7 @@ def test_zero_embedding_and_identical_clients_is_fedavg_on_the_rest(digits64):
         f.engine = twin
     state = fed.initial_state()
     with torch.no_grad():
-        state.server_state["hypernet"].embeddings.weight.zero_()
+        state.server_state.hypernet.embeddings.weight.zero_()
     algo = fed.algorithm
     for rnd in range(1, 4):
         w = algo.client_start(np.arange(3), state.global_params, {}, state.server_state)
@@ -162,7 +162,7 @@ def test_zero_embedding_and_identical_clients_is_fedavg_on_the_rest(digits64):
         for n in algo.rest:
             torch.testing.assert_close(state.global_params[n], ref.global_params[n],
                                        rtol=1e-12, atol=1e-14)
-    emb = state.server_state["hypernet"].embeddings.weight
+    emb = state.server_state.hypernet.embeddings.weight
     torch.testing.assert_close(emb[1], emb[0], rtol=1e-12, atol=1e-14)
 
 
@@ -217,8 +217,8 @@ def test_engines_agree(digits64, variant):
                         "train.momentum=0.9", "algorithm.name=fedtp",
                         f"algorithm.variant={variant}", "train.clients_per_round=3")
     if variant == "hypernetwork":
-        a = out["vectorized"].server_state["hypernet"].parameters()
-        b = out["sequential"].server_state["hypernet"].parameters()
+        a = out["vectorized"].server_state.hypernet.parameters()
+        b = out["sequential"].server_state.hypernet.parameters()
         for p, q in zip(a, b):
             p, q = p.detach(), q.detach()
             err = float((p - q).abs().max()) / max(float(p.abs().max()), 1e-12)
@@ -254,8 +254,8 @@ def test_checkpoint_resume_is_exact(tmp_path, digits64):
     state, _ = fed.run_round(state, 3)
     for n, p in straight.global_params.items():
         assert torch.equal(p, state.global_params[n]), n
-    for a, b in zip(straight.server_state["hypernet"].parameters(),
-                    state.server_state["hypernet"].parameters()):
+    for a, b in zip(straight.server_state.hypernet.parameters(),
+                    state.server_state.hypernet.parameters()):
         assert torch.equal(a, b)
 
 
