@@ -20,6 +20,7 @@ import math
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -197,6 +198,14 @@ def task_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
+def client_losses(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``(C,)`` :func:`task_loss` of each client of stacked ``(C, ...)`` logits and labels."""
+    c = logits.shape[0]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
+    return ce.reshape(c, -1).mean(1)
+
+
 @dataclass
 class LocalJob:
     """One round of local training for the sampled clients.
@@ -213,8 +222,10 @@ class LocalJob:
         Per-client start values ``(C, ...)`` replacing global ones (personalization).
     trainable : tuple of str
         Names trained this round; everything else is frozen (held once unless overridden).
-    client_state, server_state : dict
-        Algorithm state; ``client_state`` is sliced to the round's clients ``(C, ...)``.
+    client_state : dict
+        The algorithm's per-client state, sliced to the round's clients ``(C, ...)``.
+    server_state : dataclass or None
+        The algorithm's server state.
     batches : Batches
     x, y : torch.Tensor
         Training split on the device.
@@ -238,7 +249,7 @@ class LocalJob:
     dropout_seed: int = 0
     overrides: dict[str, torch.Tensor] = field(default_factory=dict)
     client_state: dict[str, torch.Tensor] = field(default_factory=dict)
-    server_state: dict = field(default_factory=dict)
+    server_state: Any = None
     autocast: torch.dtype | None = None
 
     def start(self, name: str) -> torch.Tensor:

@@ -9,8 +9,9 @@ sequential reference), organised for a GPU:
    every client's own gradient (clients share no trainable tensor), so one ``autograd.grad``
    replaces ``vmap(grad(...))``.
 3. The trainable parameters of a chunk of clients live in one ``(Cc, P)`` buffer; the gradient
-   norm, clipping, weight decay and the SGD / Adam update are a handful of kernels over it. A
-   captured SGD step on CUDA runs :class:`~real_data.engines.flat_update.FlatSGD` instead,
+   norm, clipping, weight decay and the SGD / Adam update
+   (:func:`~real_data.engines.optim.flat_step_`) are a handful of kernels over it. A captured
+   SGD step on CUDA runs :class:`~real_data.engines.flat_update.FlatSGD` instead,
    which reads each parameter's gradient in place rather than concatenating them.
 4. On CUDA one local step (minibatch gather, forward, backward, optimizer, loss accounting) is
    captured once as a CUDA graph and replayed ``S`` times per chunk, so a step costs one launch
@@ -32,11 +33,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 from torch.func import vmap
 
-from real_data.engines import flat_update
-from real_data.engines.base import ClientResults, LocalJob
+from real_data.engines import flat_update, optim
+from real_data.engines.base import ClientResults, LocalJob, client_losses
 from real_data.engines.stacked import stacked_forward
 from real_data.engines.stacked import supports as model_supported
 
@@ -49,10 +49,9 @@ _CHUNK: dict[tuple, int] = {}
 
 
 def supports(job: LocalJob) -> bool:
-    """True when the fast path computes the same function as the reference engines."""
-    forward = getattr(type(job.algorithm), "forward", None)
-    return model_supported(job.model) and getattr(forward, "__qualname__", "") == \
-        "Algorithm.forward"
+    """True when the fast path computes the same function as the reference engines: a model
+    the stacked forward mirrors, and an algorithm whose forward is the model's own."""
+    return model_supported(job.model) and job.algorithm.has_model_forward()
 
 
 def clear_cache() -> None:
@@ -107,14 +106,6 @@ def _regularizer_kind(job: LocalJob) -> object:
     return "tensor" if isinstance(r, torch.Tensor) else float(r)
 
 
-def _client_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``(C,)`` mean cross-entropy per client, in >= fp32 (as ``task_loss``)."""
-    c = logits.shape[0]
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
-    return ce.reshape(c, -1).mean(1)
-
-
 class _Runner:
     """Static buffers, the local step and (on CUDA) its graph for a chunk of ``cc`` clients."""
 
@@ -128,8 +119,10 @@ class _Runner:
         self.views = dict(zip(setup.trainable, self._split(self.flat)))
         self.leaves = {n: v.detach().requires_grad_(True) for n, v in self.views.items()}
         spec = setup.spec
-        self.m = torch.zeros_like(self.flat) if spec.name == "adam" or spec.momentum else None
-        self.v = torch.zeros_like(self.flat) if spec.name == "adam" else None
+        # optimizer state: (Cc, P) buffers under torch's names (optim.flat_step_)
+        names = (("exp_avg", "exp_avg_sq") if spec.name == "adam"
+                 else ("momentum_buffer",) if spec.momentum else ())
+        self.opt_state = {k: torch.zeros_like(self.flat) for k in names}
         # 2. frozen parameters: shared (one copy) or the clients' own (stacked) values
         self.shared = {n: job.global_params[n].clone() for n in setup.shared}
         self.own = {n: job.overrides[n][:1].expand(cc, *job.overrides[n].shape[1:]).clone()
@@ -154,7 +147,9 @@ class _Runner:
         self.apply_fn = (torch.compile(self._apply, dynamic=False) if setup.compile
                          else self._apply)
         # captured SGD on CUDA: the update reads each gradient in place (two Triton kernels)
-        self.sgd = (flat_update.FlatSGD(self.numel, self.flat, self.m, setup.spec, setup.ragged)
+        self.sgd = (flat_update.FlatSGD(self.numel, self.flat,
+                                        self.opt_state.get("momentum_buffer"), setup.spec,
+                                        setup.ragged)
                     if setup.graphs and setup.triton_update
                     and flat_update.usable(self.flat, setup.spec) else None)
         self.account_fn = (torch.compile(self._account, dynamic=False) if setup.compile
@@ -182,9 +177,8 @@ class _Runner:
             t.copy_(job.overrides[n][rows])
         for k, t in self.cstate.items():
             t.copy_(job.client_state[k][rows])
-        for t in (self.m, self.v):
-            if t is not None:
-                t.zero_()
+        for t in self.opt_state.values():
+            t.zero_()
         self.idx.copy_(job.batches.idx[rows])
         self.active.copy_(job.batches.active[rows])
         for t in (self.s, self.count, *self.acc.values()):
@@ -239,7 +233,7 @@ class _Runner:
             logits = stacked_forward(self.model, {**self.shared, **self.own, **leaves},
                                      self.stacked, xb, self.setup.attention,
                                      self.setup.fold_norms)
-        return _client_loss(logits, yb)
+        return client_losses(logits, yb)
 
     def step(self) -> None:
         setup = self.setup
@@ -276,7 +270,8 @@ class _Runner:
         if spec.weight_decay:
             g.add_(self.flat, alpha=spec.weight_decay)
         self.count.add_(on.long())  # Adam's step count, before its update
-        self._update(g, on.unsqueeze(1))
+        optim.flat_step_(spec, self.flat, g, self.opt_state, self.count, on.unsqueeze(1),
+                         self.setup.ragged)
         self._account(norms, data, obj, on, first)
 
     def _account(self, norms: torch.Tensor, data: torch.Tensor, obj: torch.Tensor,
@@ -290,39 +285,6 @@ class _Runner:
         acc["gfirst"].copy_(torch.where(first, norms, acc["gfirst"]))
         acc["glast"].copy_(torch.where(on, norms, acc["glast"]))
         self.s.add_(1)
-
-    def _update(self, g: torch.Tensor, on: torch.Tensor) -> None:
-        """SGD (heavy ball) or Adam on the flat buffer; idle clients keep parameters and state.
-
-        The formulas are ``torch.optim``'s. The momentum buffer starts at zero, so its first
-        value ``0 * mu + g`` is ``g`` exactly, as SGD's clone of the first gradient.
-        """
-        spec, p = self.setup.spec, self.flat
-        if self.setup.ragged:  # new values first, then kept only for the active clients
-            def assign(dst: torch.Tensor, new: torch.Tensor) -> None:
-                dst.copy_(torch.where(on, new, dst))
-        else:
-            def assign(dst: torch.Tensor, new: torch.Tensor) -> None:
-                dst.copy_(new)
-        if spec.name == "sgd":
-            if spec.momentum:
-                if self.setup.ragged:
-                    assign(self.m, self.m.mul(spec.momentum).add(g))
-                else:
-                    self.m.mul_(spec.momentum).add_(g)
-                g = self.m
-            if self.setup.ragged:
-                assign(p, p.add(g, alpha=-spec.lr))
-            else:
-                p.add_(g, alpha=-spec.lr)
-            return
-        b1, b2 = spec.betas
-        assign(self.m, self.m.lerp(g, 1 - b1))
-        assign(self.v, self.v.mul(b2).addcmul(g, g, value=1 - b2))
-        t = self.count.double()
-        step_size = (spec.lr / (1 - b1**t)).to(p.dtype).unsqueeze(1)
-        bc2_sqrt = (1 - b2**t).sqrt().to(p.dtype).unsqueeze(1)
-        assign(p, p - step_size * self.m / (self.v.sqrt() / bc2_sqrt + spec.eps))
 
 
 def _setup(job: LocalJob, graphs: bool, compile: bool | str, attention: str = "auto",

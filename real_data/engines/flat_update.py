@@ -150,7 +150,8 @@ class FlatSGD:
 
     def __init__(self, numel: list[int], flat: torch.Tensor, momentum: torch.Tensor | None,
                  spec, ragged: bool) -> None:
-        self.flat, self.m, self.spec, self.ragged = flat, momentum, spec, ragged
+        self.flat, self.momentum_buffer = flat, momentum
+        self.spec, self.ragged = spec, ragged
         self.numel_list = list(numel)
         self.cols_list = torch.tensor([0] + numel[:-1], dtype=torch.int64).cumsum(0).tolist()
         dev = flat.device
@@ -218,7 +219,7 @@ class FlatSGD:
         coef = None
         if spec.clip_grad_norm is not None:
             coef = (spec.clip_grad_norm / (norms.double() + 1e-6)).clamp(max=1.0).float()
-        m = self.m if spec.momentum else self.flat  # M unused without momentum
+        m = self.momentum_buffer if spec.momentum else self.flat  # M unused without momentum
         common = dict(HAS_COEF=coef is not None, HAS_MOMENTUM=bool(spec.momentum),
                       HAS_WD=bool(spec.weight_decay), RAGGED=self.ragged)
         args = (self.cols, self.flat, m, coef if coef is not None else norms, on,

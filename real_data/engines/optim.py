@@ -2,7 +2,10 @@
 
 Every tensor has a leading client axis C; the formulas are those of ``torch.optim.SGD``,
 ``torch.optim.Adam`` and ``torch.nn.utils.clip_grad_norm_`` applied per client, so the
-vectorized engine matches the sequential one (which uses ``torch.optim``) to rounding.
+vectorized engine matches the sequential one (which uses ``torch.optim``) to rounding. The
+state keeps torch's names: ``momentum_buffer`` (SGD), ``exp_avg`` and ``exp_avg_sq`` (Adam's
+first and second moments). Two layouts: a dict of ``(C, ...)`` tensors (:func:`step`, the
+``vmap`` path) and one flat ``(C, P)`` buffer (:func:`flat_step_`, the fast path).
 """
 
 from __future__ import annotations
@@ -36,10 +39,10 @@ def clip_(grads: Stacked, norms: torch.Tensor, max_norm: float) -> None:
 def init_state(spec: OptimizerSpec, params: Stacked) -> dict[str, Stacked]:
     """Zero optimizer state for stacked parameters."""
     if spec.name == "adam":
-        return {"m": {n: torch.zeros_like(p) for n, p in params.items()},
-                "v": {n: torch.zeros_like(p) for n, p in params.items()}}
+        return {"exp_avg": {n: torch.zeros_like(p) for n, p in params.items()},
+                "exp_avg_sq": {n: torch.zeros_like(p) for n, p in params.items()}}
     if spec.momentum:
-        return {"buf": {}}
+        return {"momentum_buffer": {}}
     return {}
 
 
@@ -62,18 +65,65 @@ def step(
             g = g.add(p, alpha=spec.weight_decay)
         if spec.name == "sgd":
             if spec.momentum:
-                buf = state["buf"].get(n)
+                buf = state["momentum_buffer"].get(n)
                 buf = g.clone() if buf is None else buf.mul(spec.momentum).add(g)
-                state["buf"][n] = buf
+                state["momentum_buffer"][n] = buf
                 g = buf
             new[n] = p.add(g, alpha=-spec.lr)
         else:
             b1, b2 = spec.betas
-            m = state["m"][n].lerp(g, 1 - b1)
-            v = state["v"][n].mul(b2).addcmul(g, g, value=1 - b2)
-            state["m"][n], state["v"][n] = m, v
+            exp_avg = state["exp_avg"][n].lerp(g, 1 - b1)
+            exp_avg_sq = state["exp_avg_sq"][n].mul(b2).addcmul(g, g, value=1 - b2)
+            state["exp_avg"][n], state["exp_avg_sq"][n] = exp_avg, exp_avg_sq
             t = count.to(torch.float64)
             step_size = _per_client(spec.lr / (1 - b1**t), p)
             bc2_sqrt = _per_client((1 - b2**t).sqrt(), p)
-            new[n] = p - step_size * m / (v.sqrt() / bc2_sqrt + spec.eps)
+            new[n] = p - step_size * exp_avg / (exp_avg_sq.sqrt() / bc2_sqrt + spec.eps)
     return new
+
+
+def flat_step_(
+    spec: OptimizerSpec,
+    flat: torch.Tensor,
+    g: torch.Tensor,
+    state: dict[str, torch.Tensor],
+    count: torch.Tensor,
+    on: torch.Tensor,
+    ragged: bool,
+) -> None:
+    """SGD (heavy ball) or Adam on a flat ``(C, P)`` buffer, in place.
+
+    ``g`` is the ``(C, P)`` gradient, already clipped and with weight decay added; ``state``
+    holds ``(C, P)`` buffers under torch's names (``momentum_buffer``, or ``exp_avg`` and
+    ``exp_avg_sq``), zero before a client's first step; ``count`` is the ``(C,)`` step number
+    after this step. With ``ragged`` only the clients whose ``on`` ``(C, 1)`` is true step;
+    the others keep parameters and state. The momentum buffer starts at zero, so its first
+    value ``0 * mu + g`` is ``g`` exactly, as SGD's clone of the first gradient.
+    """
+    if ragged:  # new values first, then kept only for the active clients
+        def assign(dst: torch.Tensor, new: torch.Tensor) -> None:
+            dst.copy_(torch.where(on, new, dst))
+    else:
+        def assign(dst: torch.Tensor, new: torch.Tensor) -> None:
+            dst.copy_(new)
+    if spec.name == "sgd":
+        if spec.momentum:
+            buf = state["momentum_buffer"]
+            if ragged:
+                assign(buf, buf.mul(spec.momentum).add(g))
+            else:
+                buf.mul_(spec.momentum).add_(g)
+            g = buf
+        if ragged:
+            assign(flat, flat.add(g, alpha=-spec.lr))
+        else:
+            flat.add_(g, alpha=-spec.lr)
+        return
+    b1, b2 = spec.betas
+    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+    assign(exp_avg, exp_avg.lerp(g, 1 - b1))
+    assign(exp_avg_sq, exp_avg_sq.mul(b2).addcmul(g, g, value=1 - b2))
+    t = count.double()
+    step_size = (spec.lr / (1 - b1**t)).to(flat.dtype).unsqueeze(1)
+    bc2_sqrt = (1 - b2**t).sqrt().to(flat.dtype).unsqueeze(1)
+    assign(flat, flat - step_size * exp_avg / (exp_avg_sq.sqrt() / bc2_sqrt + spec.eps))
