@@ -1,0 +1,121 @@
+"""The real-data validation study: a plan of sweeps, run resumably in slices, then aggregated.
+
+A plan (YAML, ``real_data/studies/<name>.yaml``)::
+
+    name: main
+    out_dir: runs/study-main          # every run directory lives under here
+    seeds: [0, 1, 2]
+    sweeps:
+      - name: fmnist_softmax
+        config: fmnist_vit           # a shipped config name or a YAML path
+        overrides: [train.rounds=200, model.attention=softmax]
+        alphas: [0.1, 0.3, 1.0]      # partition.alpha values (omit for natural splits)
+        arms:
+          - {name: fedavg, overrides: [algorithm.name=fedavg]}
+          - {name: fedfrozen_v, overrides: [algorithm.name=fedfrozen, algorithm.train=v],
+             warmup_rounds: [0, 10, 20, 40, 80, 120, 200]}
+          - {name: reference, overrides: [partition.scheme=iid, partition.num_clients=1],
+             reference: true}
+
+Each run has a fixed directory ``out_dir/<sweep>/<arm>[-T0=<t>]/alpha=<a>/seed=<s>``, so the
+study knows what exists: a completed run is skipped, an interrupted one resumed from its last
+checkpoint, a missing one started. An arm with ``warmup_rounds`` trains the warm-up once (the
+largest T0, keeping a snapshot at every T0) and branches every other T0 from its snapshot. A
+``reference`` arm (a drift-free run, e.g. one client holding the pooled data) keeps snapshots at
+every T0 of its sweep, so the Q/K kernel deviation of FedFrozen's warm-up from it can be
+measured. ``--slice`` selects runs by a glob over ``<sweep>/<arm>/alpha=<a>/seed=<s>`` so a large
+plan splits into GPU calls of under 10 minutes each; ``--budget`` stops starting new runs after
+that many seconds; ``--shard k/n`` takes the k-th of n cost-balanced parts of the selection, so n
+workers (one or more per GPU) run one plan side by side without touching the same run.
+
+A plan may name central pretraining jobs (FedSQ's transfer initialization) under ``pretrain``;
+each writes ``<out_dir>/pretrained/<name>.pt`` before any selected run that needs it starts, and
+``{out_dir}`` in an override is replaced by the plan's output folder::
+
+    pretrain:
+      - {name: mnist_softmax, config: fmnist_vit_fedsq, source: mnist, epochs: 3,
+         overrides: [model.attention=softmax]}
+    # an arm then uses  algorithm.pretrained={out_dir}/pretrained/mnist_softmax.pt
+
+Aggregation reads every run's ``metrics.csv`` and ``summary.json`` and writes, per sweep, arm,
+T0 and alpha: mean +- std over seeds (with the number of seeds) of final and best accuracy,
+rounds-to-best, the accuracy variance over the last rounds, personalized accuracy, the
+gradient-norm jump after aggregation, Q/K kernel deviation from the reference, bytes sent and
+training FLOPs.
+
+The parts: :mod:`~real_data.study.plan` (the plan file, its runs and their configs),
+:mod:`~real_data.study.runner` (running, resuming, sharding) and
+:mod:`~real_data.study.tables` (aggregation, tables, archives). This package gathers their
+public names, so ``from real_data import study`` is all a caller needs.
+"""
+
+
+from __future__ import annotations
+
+from real_data.study.plan import (
+    Arm,
+    Plan,
+    PretrainJob,
+    RunSpec,
+    Sweep,
+    load_plan,
+    plan_runs,
+    replace_out,
+    run_config,
+    run_key,
+    run_overrides,
+)
+from real_data.study.runner import (
+    FINAL,
+    ensure_pretrained,
+    group_cost,
+    measured_pace,
+    run_status,
+    run_study,
+    shard_groups,
+)
+from real_data.study.tables import (
+    LAST_ROUNDS,
+    aggregate,
+    kernel_deviation,
+    pack_results,
+    paired_differences,
+    run_rows,
+    write_markers,
+    write_tables,
+)
+
+# short names the command line (real_data/cli.py), scripts/cpu_references.py and the tests use
+_key = run_key
+_overrides = run_overrides
+_status = run_status
+_group_cost = group_cost
+
+__all__ = [
+    "FINAL",
+    "LAST_ROUNDS",
+    "Arm",
+    "Plan",
+    "PretrainJob",
+    "RunSpec",
+    "Sweep",
+    "aggregate",
+    "ensure_pretrained",
+    "group_cost",
+    "kernel_deviation",
+    "load_plan",
+    "measured_pace",
+    "pack_results",
+    "paired_differences",
+    "plan_runs",
+    "replace_out",
+    "run_config",
+    "run_key",
+    "run_overrides",
+    "run_rows",
+    "run_status",
+    "run_study",
+    "shard_groups",
+    "write_markers",
+    "write_tables",
+]

@@ -1,0 +1,279 @@
+"""Running a study plan: resumable run groups, cost-balanced shards, deadlines, pretraining.
+
+A run group is a T0 family (the largest T0 trains the warm-up once and keeps a snapshot at
+every T0; every other T0 branches from its snapshot) or a single run. A completed group is
+skipped, an interrupted run resumed from its last checkpoint, a missing one started.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+
+from linattn.errors import ConfigError, UserError
+from linattn.fileio import atomic_path
+from real_data.config import load_config
+from real_data.study.plan import Plan, RunSpec, plan_runs, run_config, run_overrides
+
+FINAL = ("completed", "diverged")  # a diverged run is a result (its status says so), not redone
+
+
+def _run_rounds(spec: RunSpec) -> int:
+    """Rounds the run trains itself (a T0 branch only trains after its snapshot)."""
+    return int(run_config(spec, None).train.rounds)
+
+
+def group_cost(members: list[RunSpec], pace: dict | None = None,
+                skip: frozenset = frozenset()) -> float:
+    """Rounds the group trains, times the seconds per round measured for its (sweep, arm)
+    where ``pace`` has them (:func:`measured_pace`; an arm not yet run in this sweep takes the
+    sweep's median times the arm's ratio measured elsewhere); without ``pace`` one unit per
+    round (a reference round, one client, 0.3). Members whose key is in ``skip`` (finished)
+    cost nothing."""
+    rounds = _run_rounds(members[0])
+    cost = (0 if members[0].key in skip else rounds) + sum(
+        rounds - (m.warmup_rounds or 0) for m in members[1:] if m.key not in skip)
+    head = members[0]
+    if pace:
+        per_round = pace.get((head.sweep.name, head.arm.name))
+        if per_round is None:  # the sweep's (or overall) median, times the arm's measured
+            # ratio to its sweep's median in the other sweeps (FedSQ ~2.3x, SCAFFOLD ~1.6x)
+            base = pace.get(head.sweep.name, pace["*"])
+            per_round = base * pace.get(("*", head.arm.name),
+                                        0.3 if head.arm.reference else 1.0)
+        return cost * per_round
+    return cost * (0.3 if head.arm.reference else 1.0)  # one client: a fraction of a round
+
+
+def measured_pace(specs: list[RunSpec], before: float | None = None) -> dict:
+    """Median GPU seconds per round of the completed runs, by (sweep, arm), by sweep and
+    overall (``"*"``), and each arm's median ratio to its sweep's median (``("*", arm)``, for
+    an arm not yet run in some sweep); empty when none ran on a GPU. CPU runs are left out."""
+    by_arm: dict[tuple, list[float]] = {}
+    for s in specs:
+        if not _finished_before(s.run_dir, before):
+            continue
+        info = json.loads((s.run_dir / "summary.json").read_text())
+        sec = info.get("seconds_per_round")
+        if info.get("status") != "completed" or not sec or \
+                info.get("device", {}).get("type") != "cuda":
+            continue
+        by_arm.setdefault((s.sweep.name, s.arm.name), []).append(float(sec))
+    if not by_arm:
+        return {}
+    pace: dict = {k: float(np.median(v)) for k, v in by_arm.items()}
+    for sweep in {k[0] for k in by_arm}:
+        pace[sweep] = float(np.median([x for k, v in by_arm.items() if k[0] == sweep
+                                       for x in v]))
+    pace["*"] = float(np.median([x for v in by_arm.values() for x in v]))
+    for arm in {k[1] for k in by_arm}:  # ("*", arm): the arm's pace relative to its sweeps'
+        pace[("*", arm)] = float(np.median([pace[k] / pace[k[0]] for k in by_arm
+                                            if k[1] == arm]))
+    return pace
+
+
+def shard_groups(groups: list[list[RunSpec]], shard: tuple[int, int],
+                 pace: dict | None = None, skip: frozenset = frozenset()
+                 ) -> list[list[RunSpec]]:
+    """The ``k``-th of ``n`` parts of ``groups``, balanced by rounds, or by expected seconds
+    with a ``pace`` (:func:`measured_pace`) (longest first, each to the least-loaded part;
+    deterministic, so n workers given the same groups and pace split them alike).
+
+    A part keeps the plan's sweep order and runs its longest groups of a sweep first, so a
+    worker stopped by a time limit leaves the short groups of the last sweep it reached.
+    """
+    k, n = shard
+    costs = [group_cost(g, pace, skip) for g in groups]
+    loads, owner = [0.0] * n, {}
+    for i in sorted(range(len(groups)), key=lambda i: (-costs[i], i)):
+        j = min(range(n), key=lambda j: (loads[j], j))
+        loads[j] += costs[i]
+        owner[i] = j
+    sweep_order = {name: i for i, name in enumerate(dict.fromkeys(g[0].sweep.name
+                                                                   for g in groups))}
+    mine = [i for i in range(len(groups)) if owner[i] == k]
+    mine.sort(key=lambda i: (sweep_order[groups[i][0].sweep.name], -costs[i], i))
+    return [groups[i] for i in mine]
+
+
+def ensure_pretrained(plan: Plan, specs: list[RunSpec], log=print,
+                      shard: tuple[int, int] | None = None) -> list[Path]:
+    """Run every pretraining job a selected run needs and that is missing; returns the files
+    written. The file is written under a temporary name and renamed, so a killed job leaves
+    nothing that looks finished. ``shard=(k, n)``: only the k-th of every n needed jobs."""
+    # imported here: pretraining imports torch, which listing and aggregating do not need
+    from real_data.pretrain import PretrainSettings, run_pretrain
+
+    wanted = {o for s in specs for o in run_overrides(s, s.warmup_rounds)}
+    written = []
+    needed = [job for job in plan.pretrain
+              if any(str(plan.pretrained_path(job)) in o for o in wanted)]
+    if shard is not None:
+        needed = needed[shard[0]::shard[1]]
+    for job in needed:
+        path = plan.pretrained_path(job)
+        if path.is_file():
+            continue
+        log(f"pretrain {job.name} on {job.source} -> {path}")
+        settings = PretrainSettings(job.source, epochs=job.epochs, seed=job.seed,
+                                    exclude_largest_groups=job.exclude_largest_groups)
+        with atomic_path(path) as tmp:  # a unique temporary per writer
+            meta = run_pretrain(load_config(job.config, list(job.overrides)), settings, tmp)
+        log(f"pretrain {job.name}: source test_acc {meta['source_test_acc']:.4f} "
+            f"({meta['samples']} samples, {meta['wall_time_s']:.0f} s)")
+        written.append(path)
+    return written
+
+
+def _finished_before(run_dir: Path, before: float | None) -> bool:
+    """Final (completed or diverged) by ``before`` (a Unix time; None: now)."""
+    summary = run_dir / "summary.json"
+    if before is not None and summary.is_file() and summary.stat().st_mtime > before:
+        return False
+    return run_status(run_dir) in FINAL
+
+
+def run_status(run_dir: Path) -> str:
+    """``summary.json``'s status (``completed``, ``diverged``, ...), else ``partial`` (a run
+    directory without it) or ``missing``."""
+    summary = run_dir / "summary.json"
+    if summary.is_file():
+        return json.loads(summary.read_text()).get("status", "unknown")
+    return "partial" if run_dir.exists() else "missing"
+
+
+def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int | None = None,
+              budget_s: float | None = None, log=print,
+              shard: tuple[int, int] | None = None, pretrain_only: bool = False,
+              deadline_s: float | None = None, pending: bool | float = False) -> dict:
+    """Run what is missing, resume what was interrupted; returns counts by outcome (a run
+    that fails is logged and counted under ``failed``; the others go on).
+
+    ``shard=(k, n)``: only the k-th of n cost-balanced parts of the selected groups (the split
+    ignores what is already done, so it never depends on when a worker starts).
+    ``pending``: balance the shards over the groups not yet finished instead, each weighed by
+    the GPU seconds per round measured for its arm in the finished runs (for workers that all
+    start together on a machine given the finished groups as markers, so the work left is
+    spread evenly). A Unix time freezes what counts as finished: runs whose summary.json was
+    written after it count as unfinished, so workers that start a few seconds apart, while
+    another one already finishes groups, still agree on the split (gpu_study.sh passes the
+    time it launches them).
+    ``deadline_s``: start a group only if it is expected to end within this many seconds of
+    the start, at the pace of the groups run so far (before any: the measured pace when
+    ``pending``, else the first group always starts); a group that would not fit is left for
+    later and a shorter one tried.
+    With ``pretrain_only`` and ``shard=(k, n)``, the k-th of every n pretraining jobs the
+    whole selection needs is run (one process per GPU pretrains side by side).
+    """
+
+    patterns = [pattern] if isinstance(pattern, str) else list(pattern or [])
+    specs = [s for s in plan_runs(plan)
+             if not patterns or any(fnmatch.fnmatch(s.key, p) for p in patterns)]
+    for p in patterns:
+        if not any(fnmatch.fnmatch(s.key, p) for s in specs):
+            raise ConfigError(f"--slice {p!r} matches no run of plan {plan.name!r}; "
+                              "`linattn study --plan ... --list` shows the run keys")
+    # check every config before anything runs, so a bad plan writes nothing
+    for s in specs:
+        run_config(s, s.warmup_rounds)
+    groups: dict[tuple, list[RunSpec]] = {}
+    for s in specs:
+        groups.setdefault((s.sweep.name, s.arm.name, s.alpha, s.seed), []).append(s)
+    todo = list(groups.values())
+    before = None if isinstance(pending, bool) else float(pending)
+    done_then = frozenset(m.key for g in todo for m in g if _finished_before(m.run_dir, before)) \
+        if pending is not False else frozenset()
+    if pending is not False:
+        todo = [g for g in todo if any(m.key not in done_then for m in g)]
+    if pretrain_only:
+        ensure_pretrained(plan, [m for g in todo for m in g
+                                 if run_status(m.run_dir) != "completed"], log, shard)
+        return {"pretrained": sum(plan.pretrained_path(j).is_file() for j in plan.pretrain)}
+    # pending: workers that start together see the same finished runs, so they may also
+    # weigh each group by the seconds per round measured so far for its arm
+    pace = measured_pace([m for g in groups.values() for m in g], before) \
+        if pending is not False else None
+    if shard is not None:
+        # without pending, over the whole selection: workers started at any time agree on
+        # the split, whatever the others have finished meanwhile
+        todo = shard_groups(todo, shard, pace, done_then)
+    ensure_pretrained(plan, [m for g in todo for m in g
+                             if run_status(m.run_dir) != "completed"], log)
+    counts = {"skipped": 0, "resumed": 0, "started": 0, "branched": 0, "left": 0,
+              "diverged": 0, "failed": 0}
+    start, done = time.perf_counter(), 0
+    spent, cost_done = 0.0, 0.0  # seconds and rounds of the groups run here (for deadline_s)
+    for members in todo:
+        now = time.perf_counter() - start
+        finished = frozenset(m.key for m in members if run_status(m.run_dir) in FINAL)
+        todo_here = len(finished) < len(members)
+        cost = group_cost(members, pace, finished) if deadline_s is not None else 0.0
+        # at the pace of the groups run here; before any, a measured pace is already seconds
+        ratio = spent / cost_done if cost_done > 0 else (1.0 if pace else None)
+        late = deadline_s is not None and ratio is not None and todo_here and \
+            now + cost * ratio > deadline_s
+        if (max_runs is not None and done >= max_runs) or (
+                budget_s is not None and now > budget_s) or late:
+            counts["left"] += sum(run_status(m.run_dir) not in FINAL for m in members)
+            continue
+        t_group = time.perf_counter()
+        try:
+            _run_group(members, counts, log)
+        except UserError:
+            raise  # a mistake in the plan or its files (exit 2), not a broken run
+        except Exception as exc:  # one broken run must not stop a worker's whole shard
+            counts["failed"] += 1
+            log(f"FAILED {members[0].key}: {type(exc).__name__}: {exc}")
+        if todo_here:
+            spent += time.perf_counter() - t_group
+            cost_done += cost
+        done += 1
+    return counts
+
+
+def _run_group(members: list[RunSpec], counts: dict, log) -> None:
+    """One T0 family (or a single run): the head, then every branch from its snapshots."""
+    # imported here: they import torch, which `linattn study --list` and the tables do not need
+    from real_data.runs import resume_run, start_run
+
+    head = members[0]
+    t0s = head.arm.warmup_rounds
+    if head.arm.reference:
+        t0s = tuple(sorted({t for a in head.sweep.arms for t in a.warmup_rounds}))
+    snapshots = tuple(t for t in t0s if t is not None)
+    status = run_status(head.run_dir)
+    if status in FINAL:
+        counts["skipped" if status == "completed" else "diverged"] += 1
+    elif status == "partial" and (head.run_dir / "checkpoints" / "last.pt").is_file():
+        log(f"resume {head.key}")
+        resume_run(head.run_dir)
+        counts["resumed"] += 1
+    else:
+        if status == "partial":  # created but killed before its first checkpoint
+            shutil.rmtree(head.run_dir)
+        log(f"start  {head.key}")
+        head.run_dir.parent.mkdir(parents=True, exist_ok=True)
+        start_run(run_config(head, head.warmup_rounds), out=head.run_dir,
+                  snapshot_rounds=snapshots)
+        counts["started"] += 1
+    for m in members[1:]:  # the other T0 branch from the largest one's snapshots
+        status = run_status(m.run_dir)
+        if status in FINAL:
+            counts["skipped" if status == "completed" else "diverged"] += 1
+            continue
+        snap = head.run_dir / "checkpoints" / f"round_{m.warmup_rounds}.pt"
+        if not snap.is_file():  # the head diverged before this T0
+            log(f"no snapshot for {m.key} ({snap.name} missing): not run")
+            counts["failed"] += 1
+            continue
+        if m.run_dir.exists():
+            shutil.rmtree(m.run_dir)  # a branch is cheap to redo from its snapshot
+        log(f"branch {m.key}")
+        m.run_dir.parent.mkdir(parents=True, exist_ok=True)
+        start_run(run_config(m, m.warmup_rounds), out=m.run_dir, branch=snap)
+        counts["branched"] += 1

@@ -1,0 +1,342 @@
+"""A study's results: per-run rows, mean +- std over seeds, paired differences, tables, archives.
+
+Aggregation reads every run's ``metrics.csv`` (global rows) and ``summary.json``; the Q/K
+kernel deviation reads the warm-up snapshots of a T0 family and of the sweep's reference arm.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import numpy as np
+
+from linattn.configio import load_yaml
+from linattn.fileio import atomic_path, atomic_write_text
+from real_data.study.plan import Arm, Plan, RunSpec, Sweep, plan_runs, run_key
+from real_data.study.runner import FINAL, run_status
+
+LAST_ROUNDS = 10  # window for the accuracy variance: the last 10 evaluations (eval.every apart)
+
+
+def _read_metrics(run_dir: Path) -> dict[str, np.ndarray]:
+    """Global metrics as arrays indexed by round (1..R)."""
+    series: dict[str, dict[int, float]] = {}
+    with open(run_dir / "metrics.csv", newline="") as fh:
+        for row in csv.DictReader(fh):
+            if row["client"] != "global":
+                continue
+            series.setdefault(row["metric"], {})[int(row["round"])] = float(row["value"])
+    out = {}
+    for name, values in series.items():
+        rounds = sorted(values)
+        out[name] = np.array([values[r] for r in rounds])
+        out[name + "@rounds"] = np.array(rounds)
+    return out
+
+
+def kernel_deviation(snapshot_a: Path, snapshot_b: Path, heads: int) -> float:
+    """sqrt(sum over layers and heads of ||M_h - M'_h||_F^2), M_h = W_q[h]^T W_k[h].
+
+    The kernel between tokens a and b in head h is a^T W_q[h]^T W_k[h] b (rows of the q and k
+    projections split by head), so M_h is the attention kernel of THEORY.md per head.
+    """
+    import torch  # only here: the study's other commands do not need it
+
+    pa = torch.load(snapshot_a, map_location="cpu", weights_only=False)["global_params"]
+    pb = torch.load(snapshot_b, map_location="cpu", weights_only=False)["global_params"]
+    total = 0.0
+    for name in sorted(pa):
+        if not name.endswith("attn.q.weight"):
+            continue
+        kname = name[: -len("q.weight")] + "k.weight"
+        for params in ((pa, pb),):
+            qa, ka = params[0][name].double(), params[0][kname].double()
+            qb, kb = params[1][name].double(), params[1][kname].double()
+            for h in range(heads):
+                rows = slice(h * qa.shape[0] // heads, (h + 1) * qa.shape[0] // heads)
+                diff = qa[rows].T @ ka[rows] - qb[rows].T @ kb[rows]
+                total += float((diff**2).sum())
+    return float(np.sqrt(total))
+
+
+def _run_row(spec: RunSpec) -> dict | None:
+    if run_status(spec.run_dir) != "completed":
+        return None
+    summary = json.loads((spec.run_dir / "summary.json").read_text())
+    m = _read_metrics(spec.run_dir)
+    acc = m.get("test_acc", np.array([np.nan]))
+    best_i = int(np.nanargmax(acc))
+    row = {
+        "final_acc": float(acc[-1]),
+        "best_acc": float(acc[best_i]),
+        "rounds_to_best": int(m["test_acc@rounds"][best_i]) if "test_acc@rounds" in m else 0,
+        "last_acc_var": float(np.var(acc[-LAST_ROUNDS:])),
+        "personal_acc": float(m["local_acc_micro"][-1]) if "local_acc_micro" in m else np.nan,
+        "grad_norm_jump": float(np.nanmean(m["grad_norm_jump"])) if "grad_norm_jump" in m
+        else np.nan,
+        "bytes_up": float(np.sum(m.get("bytes_up", [np.nan]))),
+        "bytes_down": float(np.sum(m.get("bytes_down", [np.nan]))),
+        "train_flops": float(np.sum(m.get("train_flops", [np.nan]))),
+        "seconds_per_round": float(summary.get("seconds_per_round", np.nan)),
+        "device": summary.get("device", {}).get("name", ""),
+    }
+    return row
+
+
+def run_rows(plan: Plan) -> list[dict]:
+    """One row per completed run: its sweep, arm, T0, alpha and seed, every run metric, and the
+    kernel deviation of its warm-up snapshot from the reference of the same seed (None where
+    there is no T0 or no reference snapshot). Runs of one seed share the initialization and the
+    partition, so per-seed differences (:func:`paired_differences`) are paired."""
+    out = []
+    for spec in plan_runs(plan):
+        row = _run_row(spec)
+        if row is None:
+            continue
+        dev = _kernel_deviations(plan, spec.sweep.name, spec.arm.name, spec.warmup_rounds,
+                                 spec.alpha, [spec])
+        out.append({"sweep": spec.sweep.name, "arm": spec.arm.name,
+                    "warmup_rounds": spec.warmup_rounds, "alpha": spec.alpha,
+                    "seed": spec.seed, **row, "kernel_deviation": dev[0] if dev else None})
+    return out
+
+
+def aggregate(plan: Plan, runs: list[dict] | None = None) -> list[dict]:
+    """One row per (sweep, arm, T0, alpha): mean, std and n over seeds of every run metric
+    (``runs``: :func:`run_rows` of the plan, computed here when not given)."""
+    cells: dict[tuple, list[dict]] = {}
+    for r in run_rows(plan) if runs is None else runs:
+        cells.setdefault((r["sweep"], r["arm"], r["warmup_rounds"], r["alpha"]), []).append(r)
+    out = []
+    for (sweep, arm, t0, alpha), items in cells.items():
+        rec = {"sweep": sweep, "arm": arm, "warmup_rounds": t0, "alpha": alpha,
+               "n_seeds": len(items), "device": items[0]["device"]}
+        for metric in ("final_acc", "best_acc", "rounds_to_best", "last_acc_var",
+                       "personal_acc", "grad_norm_jump", "bytes_up", "bytes_down",
+                       "train_flops", "seconds_per_round"):
+            values = np.array([r[metric] for r in items], dtype=np.float64)
+            rec[f"{metric}_mean"] = float(np.nanmean(values)) if np.any(np.isfinite(values)) \
+                else None
+            rec[f"{metric}_std"] = float(np.nanstd(values)) if np.any(np.isfinite(values)) \
+                else None
+        dev = [r["kernel_deviation"] for r in items if r["kernel_deviation"] is not None]
+        rec["kernel_deviation_mean"] = float(np.mean(dev)) if dev else None
+        rec["kernel_deviation_std"] = float(np.std(dev)) if dev else None
+        rec["kernel_deviation_n"] = len(dev)  # seeds whose reference run exists
+        out.append(rec)
+    return out
+
+
+def paired_differences(runs: list[dict], against: str = "fedavg",
+                       metric: str = "final_acc") -> list[dict]:
+    """Per (sweep, arm, T0, alpha): the mean over seeds of ``metric`` minus the ``against``
+    arm's (its T0-free run of the same sweep, alpha and seed), its standard error (std with
+    ddof = 1 of the per-seed differences over sqrt n; None for n < 2) and n. Seeds without a
+    finished ``against`` run are left out."""
+    base = {(r["sweep"], r["alpha"], r["seed"]): r[metric] for r in runs
+            if r["arm"] == against and r["warmup_rounds"] is None}
+    cells: dict[tuple, list[float]] = {}
+    for r in runs:
+        if r["arm"] == against and r["warmup_rounds"] is None:
+            continue
+        b = base.get((r["sweep"], r["alpha"], r["seed"]))
+        if b is None or not np.isfinite(b) or not np.isfinite(r[metric]):
+            continue
+        cells.setdefault((r["sweep"], r["arm"], r["warmup_rounds"], r["alpha"]),
+                         []).append(r[metric] - b)
+    out = []
+    for (sweep, arm, t0, alpha), diffs in cells.items():
+        d = np.array(diffs, dtype=np.float64)
+        se = float(d.std(ddof=1) / np.sqrt(d.size)) if d.size > 1 else None
+        out.append({"sweep": sweep, "arm": arm, "warmup_rounds": t0, "alpha": alpha,
+                    "against": against, "metric": metric, "n": int(d.size),
+                    "diff_mean": float(d.mean()), "diff_se": se})
+    return out
+
+
+def _kernel_deviations(plan, sweep_name, arm_name, t0, alpha, specs) -> list[float]:
+    """Kernel deviation of this T0's warm-up snapshot from the sweep's reference arm."""
+    if t0 is None:
+        return []
+    sweep = next(s for s in plan.sweeps if s.name == sweep_name)
+    refs = [a for a in sweep.arms if a.reference]
+    if not refs:
+        return []
+    arm = next(a for a in sweep.arms if a.name == arm_name)
+    head_t0 = arm.warmup_rounds[0]
+    out = []
+    for spec in specs:
+        source = plan.out_dir / run_key(sweep_name, arm_name, head_t0, alpha, spec.seed)
+        ref = _reference_dir(plan, sweep, refs[0], alpha, spec.seed, t0)
+        a = source / "checkpoints" / f"round_{t0}.pt"
+        b = ref / "checkpoints" / f"round_{t0}.pt"
+        if a.is_file() and b.is_file():
+            heads = int(load_yaml(source / "config.yaml")["model"]["heads"])
+            out.append(kernel_deviation(a, b, heads))
+    return out
+
+
+def _reference_dir(plan: Plan, sweep: Sweep, ref: Arm, alpha, seed: int, t0: int) -> Path:
+    """The reference run of this alpha and seed; a reference whose partition ignores alpha
+    (``iid``: one client holding the pooled data) is the same run at every alpha, so the one
+    of another alpha (same seed) stands in when this alpha's is missing."""
+    own = plan.out_dir / run_key(sweep.name, ref.name, None, alpha, seed)
+    if (own / "checkpoints" / f"round_{t0}.pt").is_file():
+        return own
+    for other in sweep.alphas:
+        cand = plan.out_dir / run_key(sweep.name, ref.name, None, other, seed)
+        if not (cand / "checkpoints" / f"round_{t0}.pt").is_file():
+            continue
+        scheme = load_yaml(cand / "config.yaml")["partition"]["scheme"]
+        if scheme in ("iid", "natural"):
+            return cand
+    return own
+
+
+def _n_suffix(n) -> str:
+    return f" ({n})" if n else ""
+
+
+def _fmt(mean, std) -> str:
+    if mean is None:
+        return "-"
+    if abs(mean) >= 1e4:
+        return f"{mean:.3g} +- {std:.2g}"
+    return f"{mean:.4f} +- {std:.4f}"
+
+
+def write_tables(rows: list[dict], out_dir: Path, runs: list[dict] | None = None) -> list[Path]:
+    """``study.csv``, ``study.json`` and ``study.md`` (mean +- std (n)) in ``out_dir``; with
+    ``runs`` (:func:`run_rows`) also ``study_per_run.csv`` (one row per run and seed) and
+    ``study_paired.{csv,md}`` (each cell minus FedAvg, paired by seed)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = sorted(rows, key=_sort_key)
+    paths = [out_dir / "study.csv", out_dir / "study.json", out_dir / "study.md"]
+    if rows:
+        _write_csv(rows, paths[0])
+    atomic_write_text(paths[1], json.dumps(rows, indent=1))
+    lines = ["| sweep | alpha | arm | T0 | n | final acc | best acc | rounds to best | "
+             "personal acc | acc var (last 10 evals) | grad-norm jump | kernel dev (n) | MB up | "
+             "TFLOPs | s/round |", "|" + "---|" * 15]
+    for r in rows:
+        lines.append(
+            f"| {r['sweep']} | {r['alpha'] if r['alpha'] is not None else 'natural'} | "
+            f"{r['arm']} | {'' if r['warmup_rounds'] is None else r['warmup_rounds']} | "
+            f"{r['n_seeds']} | {_fmt(r['final_acc_mean'], r['final_acc_std'])} | "
+            f"{_fmt(r['best_acc_mean'], r['best_acc_std'])} | "
+            f"{_fmt(r['rounds_to_best_mean'], r['rounds_to_best_std'])} | "
+            f"{_fmt(r['personal_acc_mean'], r['personal_acc_std'])} | "
+            f"{_fmt(r['last_acc_var_mean'], r['last_acc_var_std'])} | "
+            f"{_fmt(r['grad_norm_jump_mean'], r['grad_norm_jump_std'])} | "
+            f"{_fmt(r['kernel_deviation_mean'], r['kernel_deviation_std'])}"
+            f"{_n_suffix(r.get('kernel_deviation_n'))} | "
+            f"{(r['bytes_up_mean'] or 0) / 1e6:.1f} | {(r['train_flops_mean'] or 0) / 1e12:.2f} "
+            f"| {_fmt(r['seconds_per_round_mean'], r['seconds_per_round_std'])} |")
+    atomic_write_text(paths[2], "\n".join(lines) + "\n")
+    if runs is not None:
+        paths += _write_run_tables(runs, out_dir)
+    return paths
+
+
+def _sort_key(r: dict) -> tuple:
+    return (r["sweep"], str(r["alpha"]), r["arm"],
+            -1 if r["warmup_rounds"] is None else r["warmup_rounds"], r.get("seed", 0))
+
+
+def _write_csv(rows: list[dict], path: Path) -> None:
+    with open(path, "w", newline="") as fh:
+        if rows:
+            w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+
+
+def _write_run_tables(runs: list[dict], out_dir: Path) -> list[Path]:
+    paired = sorted(paired_differences(runs), key=_sort_key)
+    paths = [out_dir / "study_per_run.csv", out_dir / "study_paired.csv",
+             out_dir / "study_paired.md"]
+    _write_csv(sorted(runs, key=_sort_key), paths[0])
+    _write_csv(paired, paths[1])
+    lines = ["Final accuracy minus FedAvg's of the same seed, in points: mean over seeds +- its "
+             "standard error (ddof = 1), n seeds.", "",
+             "| sweep | alpha | arm | T0 | n | minus fedavg (points) | mean / SE |",
+             "|" + "---|" * 7]
+    for r in paired:
+        se = r["diff_se"]
+        lines.append(
+            f"| {r['sweep']} | {r['alpha'] if r['alpha'] is not None else 'natural'} | "
+            f"{r['arm']} | {'' if r['warmup_rounds'] is None else r['warmup_rounds']} | "
+            f"{r['n']} | {100 * r['diff_mean']:+.2f}"
+            + (f" +- {100 * se:.2f}" if se is not None else "") + " | "
+            + (f"{r['diff_mean'] / se:+.1f}" if se else "-") + " |")
+    atomic_write_text(paths[2], "\n".join(lines) + "\n")
+    return paths
+
+
+def pack_results(plan: Plan, dest: Path) -> dict:
+    """Write ``dest`` (.tar.gz): every completed run's summary, config and the global rows of
+    its metrics, and its warm-up snapshots reduced to the Q/K weights the kernel deviation
+    reads. Unpacking it into an empty ``out_dir`` and running ``--aggregate-only`` gives the
+    tables and figure 7 (they read only global rows); model checkpoints, client states and
+    per-client rows stay behind (large; re-running a run rebuilds them).
+    """
+    import torch  # as in kernel_deviation
+
+    dest = Path(dest)
+    counts = {"runs": 0, "snapshots": 0}
+
+    def add_bytes(tar, name: str, data: bytes) -> None:
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+
+    with atomic_path(dest) as tmp, tarfile.open(tmp, "w:gz", compresslevel=6) as tar:
+        for spec in plan_runs(plan):
+            finished = run_status(spec.run_dir) in FINAL
+            if not finished or not (spec.run_dir / "metrics.csv").is_file():
+                continue  # unfinished, or only a marker of a run finished elsewhere
+            counts["runs"] += 1
+            for name in ("summary.json", "config.yaml"):
+                if (spec.run_dir / name).is_file():
+                    tar.add(spec.run_dir / name, arcname=f"{spec.key}/{name}")
+            lines = (spec.run_dir / "metrics.csv").read_text().splitlines()
+            col = lines[0].split(",").index("client")
+            kept = [lines[0]] + [ln for ln in lines[1:] if ln.split(",")[col] == "global"]
+            add_bytes(tar, f"{spec.key}/metrics.csv", ("\n".join(kept) + "\n").encode())
+            for snap in sorted((spec.run_dir / "checkpoints").glob("round_*.pt")):
+                state = torch.load(snap, map_location="cpu", weights_only=False)
+                qk = {n: t for n, t in state["global_params"].items()
+                      if n.endswith(("attn.q.weight", "attn.k.weight"))}
+                buf = io.BytesIO()
+                torch.save({"global_params": qk}, buf)
+                add_bytes(tar, f"{spec.key}/checkpoints/{snap.name}", buf.getvalue())
+                counts["snapshots"] += 1
+    return counts
+
+
+def write_markers(plan: Plan, dest: Path) -> int:
+    """Write ``dest`` (.tar.gz) with the ``summary.json`` of every run whose whole group (a T0
+    family, or a single run) is finished, and the plan's pretrained files: unpacked into
+    ``out_dir`` on a fresh machine, it makes the study skip exactly those groups (an unfinished
+    family reruns from its head, which keeps the snapshots its branches need) and start FedSQ
+    from the same pretrained S. Returns the number of runs marked."""
+    groups: dict[tuple, list[RunSpec]] = {}
+    for s in plan_runs(plan):
+        groups.setdefault((s.sweep.name, s.arm.name, s.alpha, s.seed), []).append(s)
+    dest = Path(dest)
+    marked = 0
+    with atomic_path(dest) as tmp, tarfile.open(tmp, "w:gz") as tar:
+        for members in groups.values():
+            if all(run_status(m.run_dir) in FINAL for m in members):
+                for m in members:
+                    rel = m.run_dir.relative_to(plan.out_dir)
+                    tar.add(m.run_dir / "summary.json", arcname=f"{rel}/summary.json")
+                    marked += 1
+        for job in plan.pretrain:
+            if plan.pretrained_path(job).is_file():
+                tar.add(plan.pretrained_path(job), arcname=f"pretrained/{job.name}.pt")
+    return marked
