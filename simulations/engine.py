@@ -30,14 +30,8 @@ import torch
 
 from linattn_theory.dynamics import initial_point
 from linattn_theory.problem import Problem
-from simulations.data import (
-    ROLE_DATA,
-    ROLE_PARTICIPATION,
-    ROLE_SAMPLING,
-    ROLE_TEST,
-    role_rng,
-    sample_client_data,
-)
+from simulations.data import ROLE_PARTICIPATION, ROLE_SAMPLING, role_rng
+from simulations.group import RunGroup, float64_tensor
 from simulations.model import (
     features,
     kernel_of,
@@ -151,101 +145,12 @@ class SimResult:
     frozen_test_loss: np.ndarray
 
 
-def _tensor(x, dtype=torch.float64) -> torch.Tensor:
-    return torch.as_tensor(np.ascontiguousarray(x), dtype=dtype)
-
-
-class _Group:
-    """Data, streams and per-run constants of one group of settings (runs = setting x seed).
-
-    Data sets are stored flat, (rows * C * N, ...), one row per (distinct problem, seed), so
-    that a minibatch of every run is one ``index_select``.
-    """
-
-    def __init__(self, settings: list[Setting], seeds: list[int]):
-        first = settings[0]
-        self.settings, self.seeds = settings, list(seeds)
-        self.attention = first.attention
-        self.clients = first.problem.num_clients
-        s_count = len(seeds)
-        self.run_setting = np.repeat(np.arange(len(settings)), s_count)
-        self.run_seed = np.tile(np.arange(s_count), len(settings))
-        problems: list[Problem] = []
-        prob_of = []
-        for s in settings:  # settings sharing a problem object share its data sets
-            found = next((i for i, p in enumerate(problems) if p is s.problem), None)
-            if found is None:
-                problems.append(s.problem)
-                found = len(problems) - 1
-            prob_of.append(found)
-        self.data_row = torch.as_tensor(np.asarray(prob_of)[self.run_setting] * s_count
-                                        + self.run_seed)
-        self._rows = len(problems)
-        keep = first.attention == "softmax"
-        self.train = self._stack(problems, first.samples_per_client, ROLE_DATA, keep)
-        self.test = self._stack(problems, first.test_samples, ROLE_TEST, keep)
-        self.n_train, self.n_test = first.samples_per_client, first.test_samples
-        probs = [settings[i].problem for i in self.run_setting]
-        self.weights = _tensor(np.stack([p.weights for p in probs]))  # (R, C)
-        self.lr = _tensor([settings[i].lr for i in self.run_setting])
-        self.ridge = _tensor([p.ridge for p in probs])
-        self.kernel_ridge = _tensor([p.kernel_ridge for p in probs])
-
-    def _stack(self, problems, size, role, keep_tokens) -> dict:
-        sets = [sample_client_data(p, size, seed, role=role, keep_tokens=keep_tokens)
-                for p in problems for seed in self.seeds]
-        out = {"sigma_hat": np.stack([s.sigma_hat for s in sets]),
-               "query": np.stack([s.query for s in sets]),
-               "target": np.stack([s.target for s in sets])}
-        if keep_tokens:
-            out["tokens"] = np.stack([s.tokens for s in sets])
-        if self.attention != "linear":
-            out.pop("sigma_hat")
-        # (rows, C, N, ...) -> one packed (rows * C * N, F) store: one gather per minibatch
-        layout = [(k, v.shape[3:]) for k, v in out.items()]
-        packed = np.concatenate([v.reshape(v.shape[0] * v.shape[1] * v.shape[2], -1)
-                                 for v in out.values()], axis=1)
-        return {"packed": _tensor(packed), "layout": layout}
-
-    def flat_index(self, index: torch.Tensor, size: int) -> torch.Tensor:
-        """Sample indices (..., R, C, B) of each run's own data -> rows of the flat store."""
-        c = torch.arange(self.clients)
-        base = (self.data_row[:, None] * self.clients + c[None, :]) * size  # (R, C)
-        return base[:, :, None] + index
-
-    def gather(self, store: dict, flat: torch.Tensor) -> dict:
-        """Tensors (*flat.shape, ...) of the samples at the flat store rows ``flat``."""
-        shape = tuple(flat.shape)
-        rows = store["packed"].index_select(0, flat.reshape(-1))
-        out, col = {}, 0
-        for key, tail in store["layout"]:
-            width = int(np.prod(tail))
-            out[key] = rows[:, col:col + width].reshape(*shape, *tail)
-            col += width
-        return out
-
-    def rows(self, store: dict, data_rows: torch.Tensor) -> dict:
-        """Whole data sets (len(data_rows), C, N, ...) of the given data rows (contiguous)."""
-        per_row = store["packed"].shape[0] // (self._rows * len(self.seeds))  # C * N
-        block = store["packed"].view(-1, per_row, store["packed"].shape[1])[data_rows]
-        out, col = {}, 0
-        for key, tail in store["layout"]:
-            width = int(np.prod(tail))
-            out[key] = block[..., col:col + width].reshape(len(data_rows), self.clients, -1,
-                                                           *tail)
-            col += width
-        return out
-
-    def test_set(self) -> dict:
-        return self.rows(self.test, self.data_row)
-
-
 def _expand(x: torch.Tensor, ndim: int) -> torch.Tensor:
     """Per-run scalars (R,) -> (R, 1, ..., 1) with ``ndim`` axes in all."""
     return x.reshape(x.shape + (1,) * (ndim - 1))
 
 
-def _test_loss(group: _Group, test: dict, kernel: torch.Tensor, value: torch.Tensor):
+def _test_loss(group: RunGroup, test: dict, kernel: torch.Tensor, value: torch.Tensor):
     """sum_m p_m mean_i 1/2||yhat - y||^2 on the test sets; kernel (R, d, d) -> (R,)."""
     loss = sequence_loss(kernel[:, None], value[:, None], test, group.attention)  # (R, C)
     return torch.sum(loss * group.weights, dim=1)
@@ -272,7 +177,7 @@ def _draw_streams(settings: list[Setting], seeds: list[int]):
 
 def _simulate_group(settings: list[Setting], seeds: list[int]) -> list[SimResult]:
     first = settings[0]
-    group = _Group(settings, seeds)
+    group = RunGroup(settings, seeds)
     runs = len(group.run_setting)
     t_total = first.total_rounds
     t0s = np.asarray(first.warmup_rounds, dtype=np.int64)
@@ -292,7 +197,7 @@ def _simulate_group(settings: list[Setting], seeds: list[int]) -> list[SimResult
 
     starts = [s.start() for s in settings]
     names = ("kernel", "value") if first.parametrization == "merged" else ("query", "key", "value")
-    glob = tuple(_tensor(np.stack([getattr(starts[i], n) for i in group.run_setting]))
+    glob = tuple(float64_tensor(np.stack([getattr(starts[i], n) for i in group.run_setting]))
                  for n in names)  # each (R, ...)
     ref = tuple(x.clone() for x in glob)
     test = group.test_set()

@@ -18,106 +18,18 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 
 import numpy as np
 
 from linattn_theory.constants import estimate_constants
-from linattn_theory.frozen import noise_stationary_term
-from linattn_theory.problem import make_problem
+from linattn_theory.frozen import frozen_stage, noise_stationary_term
 from linattn_theory.warmup import recommend_warmup, stylized_bound
 from simulations.data import sample_client_data
 from simulations.engine import Setting, simulate
+from simulations.grid import Grid, ProblemCache, grid_settings, make_setting
 from simulations.metrics import compute_metrics, mean_se, phi_star, population, profile_parts
-
-
-@dataclass(frozen=True)
-class Grid:
-    """The validation grid. Problem: d, C, n, rho, lambda = lambda_M, s; schedule: T, B, N.
-
-    Base factorial: heterogeneity (zeta_K = zeta_V = zeta) x local_steps x lr; variants of the
-    context length n and the client count C at (``variant_heterogeneity``, K=5, eta=0.05).
-    """
-
-    dim: int = 6
-    num_clients: int = 8
-    context_length: int = 16
-    covariate_shift: float = 0.5
-    ridge: float = 0.01
-    noise: float = 0.1
-    problem_seed: int = 0
-    total_rounds: int = 60
-    heterogeneity: tuple = (0.0, 0.5, 1.0)
-    local_steps: tuple = (2, 5, 10)
-    lr: tuple = (0.05, 0.1)
-    context_variants: tuple = (8, 32)
-    client_variants: tuple = (4, 16)
-    variant_heterogeneity: float = 1.0
-    iid_points: tuple = ((5, 0.1), (10, 0.1))
-    batch_size: int = 32
-    samples_per_client: int = 2048
-    test_samples: int = 128
-    seeds: int = 8
-    warmup_grid: tuple = (0, 1, 2, 3, 4, 6, 8, 11, 16, 22, 30, 42, 60)
-    p1_batch_size: int = 256
-    p1_points: tuple = ((0.5, 5, 0.05), (0.5, 5, 0.1), (1.0, 5, 0.05), (1.0, 5, 0.1))
-    floor_points: tuple = ((0.5, 5, 0.1), (1.0, 5, 0.1), (1.0, 10, 0.05))
-    floor_warmup: int = 16
-    floor_rounds: int = 160
-    floor_batch_sizes: tuple = (32, 256)
-    p6_points: tuple = ((0.5, 5, 0.05), (0.5, 5, 0.1), (1.0, 5, 0.05), (1.0, 5, 0.1))
-
-    @classmethod
-    def quick(cls) -> Grid:
-        """A small grid for tests (seconds): same checks, fewer and shorter runs."""
-        return cls(dim=4, num_clients=4, context_length=8, total_rounds=24,
-                   heterogeneity=(0.0, 1.0), local_steps=(2, 5), lr=(0.1,),
-                   context_variants=(), client_variants=(), samples_per_client=256,
-                   test_samples=32, seeds=4, warmup_grid=(0, 2, 4, 8, 12, 16, 24),
-                   p1_batch_size=64, p1_points=((1.0, 5, 0.1),), floor_points=((1.0, 5, 0.1),),
-                   floor_warmup=8, floor_rounds=48, floor_batch_sizes=(32,),
-                   iid_points=((5, 0.1),), p6_points=((1.0, 5, 0.1),))
-
-
-class ProblemCache:
-    """make_problem per (zeta, n, C), built once, so that settings share data sets."""
-
-    def __init__(self, grid: Grid):
-        self.grid, self.cache = grid, {}
-
-    def get(self, zeta, n=None, c=None, rho=None):
-        g = self.grid
-        rho = g.covariate_shift if rho is None else rho
-        key = (zeta, n or g.context_length, c or g.num_clients, rho)
-        if key not in self.cache:
-            self.cache[key] = make_problem(dim=g.dim, num_clients=key[2], context_length=key[1],
-                                           kernel_heterogeneity=zeta, value_heterogeneity=zeta,
-                                           covariate_shift=rho, ridge=g.ridge,
-                                           noise=g.noise, seed=g.problem_seed)
-        return self.cache[key]
-
-
-def _setting(grid, problems, zeta, k, lr, n=None, c=None, rho=None, **kw) -> Setting:
-    label = (f"zeta={zeta:g},K={k},lr={lr:g}" + (f",n={n}" if n else "") + (f",C={c}" if c else "")
-             + (f",rho={rho:g}" if rho is not None else ""))
-    args = dict(problem=problems.get(zeta, n, c, rho), lr=lr, local_steps=k,
-                batch_size=grid.batch_size, total_rounds=grid.total_rounds,
-                warmup_rounds=tuple(grid.warmup_grid), samples_per_client=grid.samples_per_client,
-                test_samples=grid.test_samples, label=label)
-    args.update(kw)
-    if "parametrization" in kw:
-        args["label"] = label + f",{kw['parametrization']}"
-    return Setting(**args)
-
-
-def grid_settings(grid: Grid, problems: ProblemCache) -> list[Setting]:
-    out = [_setting(grid, problems, z, k, lr) for z in grid.heterogeneity
-           for k in grid.local_steps for lr in grid.lr]
-    vz = grid.variant_heterogeneity
-    out += [_setting(grid, problems, vz, 5, 0.05, n=n) for n in grid.context_variants]
-    out += [_setting(grid, problems, vz, 5, 0.05, c=c) for c in grid.client_variants]
-    out += [_setting(grid, problems, 0.0, k, lr, rho=0.0) for k, lr in grid.iid_points]
-    return out
+from simulations.report import write_validation
 
 
 def _argmin(values, rounds) -> int:
@@ -146,7 +58,7 @@ def _curve_check(sim, pop, delta0):
 def _check_p1(grid, problems, records) -> dict:
     rows = []
     for zeta, k, lr in grid.p1_points:
-        base = _setting(grid, problems, zeta, k, lr)
+        base = make_setting(grid, problems, zeta, k, lr)
         big = replace(base, batch_size=grid.p1_batch_size,
                       label=base.label + f",B={grid.p1_batch_size}")
         sim_big = compute_metrics(simulate(big, list(range(grid.seeds))))
@@ -269,7 +181,7 @@ def _check_p3(grid, rows) -> dict:
 def check_p4(grid, problems) -> dict:
     rows = []
     for (zeta, k, lr), bsz in itertools.product(grid.floor_points, grid.floor_batch_sizes):
-        st = _setting(grid, problems, zeta, k, lr, total_rounds=grid.floor_rounds,
+        st = make_setting(grid, problems, zeta, k, lr, total_rounds=grid.floor_rounds,
                       warmup_rounds=(grid.floor_warmup,), batch_size=bsz)
         st = replace(st, label=st.label + f",B={bsz}")
         res = simulate(st, list(range(grid.seeds)))
@@ -306,8 +218,6 @@ def check_p4(grid, problems) -> dict:
 
 def _noise_term(st: Setting, kernel, data) -> float:
     """Eq. (18) with Q_m = covariance over client m's N sequences of u r^T at V_inf(M)."""
-    from linattn_theory.frozen import frozen_stage
-
     v_inf = frozen_stage(st.problem, kernel, st.lr, st.local_steps).fixed_point
     u = (data.sigma_hat @ (data.query @ kernel)[..., None])[..., 0]  # (C, N, d)
     r = u @ v_inf - data.target  # (C, N, d_y)
@@ -349,8 +259,8 @@ def _check_p5(records) -> dict:
 def _check_p6(grid, problems, records) -> dict:
     rows = []
     for zeta, k, lr in grid.p6_points:
-        merged = records[_setting(grid, problems, zeta, k, lr).label]
-        st = _setting(grid, problems, zeta, k, lr, parametrization="factored")
+        merged = records[make_setting(grid, problems, zeta, k, lr).label]
+        st = make_setting(grid, problems, zeta, k, lr, parametrization="factored")
         m = compute_metrics(simulate(st, list(range(grid.seeds))))
         pop = population(replace(st, warmup_rounds=tuple(range(st.total_rounds + 1))))
         mean = mean_se(m.final_error)[0]
@@ -405,8 +315,6 @@ def run_validation(grid: Grid | None = None, out_dir=None, quick: bool = False) 
            "timing": {"grid_simulation_s": sim_time,
                       "total_s": time.perf_counter() - clock}}
     if out_dir is not None:
-        from simulations.report import write_validation
-
         write_validation(out, out_dir)
     return out
 
