@@ -29,6 +29,8 @@ import numpy as np
 
 from linattn.configio import load_yaml, parse_overrides
 from linattn.errors import ConfigError
+from linattn_theory.errors import ParameterError
+from linattn_theory.schedules import LRSchedule, schedule_from_dict
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
@@ -101,6 +103,14 @@ class TrainConfig:
     engine: Literal["vectorized", "vectorized_compiled", "sequential"] = "vectorized"
     precision: Literal["fp32", "fp64", "bf16"] = "fp32"
     device: str = "auto"
+    # the round's lr = lr * multiplier(round): a kind (constant, step, cosine, exponential,
+    # plateau) or a mapping of linattn_theory.schedules.LRSchedule's fields
+    lr_schedule: str | dict = "constant"
+
+    @property
+    def schedule(self) -> LRSchedule:
+        """``lr_schedule`` as a checked :class:`~linattn_theory.schedules.LRSchedule`."""
+        return schedule_from_dict(self.lr_schedule, "train.lr_schedule")
 
     def __post_init__(self) -> None:
         checks = [
@@ -124,6 +134,10 @@ class TrainConfig:
             raise ConfigError(f"train.local_steps={self.local_steps} must be >= 1")
         if self.local_epochs is not None and self.local_epochs <= 0:
             raise ConfigError(f"train.local_epochs={self.local_epochs} must be > 0")
+        try:
+            self.schedule.check(self.lr, self.rounds, "train.lr_schedule")
+        except ParameterError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -221,6 +235,9 @@ def _check(value: Any, tp, key: str) -> Any:
     elif tp is str:
         if isinstance(value, str):
             return value
+    elif tp is dict:
+        if isinstance(value, dict):
+            return dict(value)
     elif origin is tuple:
         args = typing.get_args(tp)
         if isinstance(value, list | tuple) and len(value) == len(args):

@@ -100,7 +100,16 @@ def _fresh_dir(base: Path) -> Path:
 def start_run(cfg: Config, out: Path | None = None, dataset=None, partition=None,
               snapshot_rounds: tuple[int, ...] = (), branch: Path | None = None,
               trainer=None, on_round_end: RoundHook | None = None) -> RunResult:
-    """Check everything, create the run directory, and train.
+    """Check everything, create the run directory, and train (:func:`prepare_start`, then
+    :func:`train_prepared`)."""
+    prep = prepare_start(cfg, out, dataset, partition, snapshot_rounds, branch, trainer)
+    return train_prepared(prep, on_round_end)
+
+
+def prepare_start(cfg: Config, out: Path | None = None, dataset=None, partition=None,
+                  snapshot_rounds: tuple[int, ...] = (), branch: Path | None = None,
+                  trainer=None, device: torch.device | None = None) -> Prepared:
+    """Check everything and create the run directory of a new run (or a T0 branch).
 
     Parameters
     ----------
@@ -116,13 +125,13 @@ def start_run(cfg: Config, out: Path | None = None, dataset=None, partition=None
     trainer : optional
         Where each round's clients train (:class:`~real_data.federation.Federation`'s hook:
         ``real_data.distributed``, ``real_data.flower``); default this process.
-    on_round_end : callable, optional
-        ``on_round_end(round, run_dir)`` after each round's rows, before its checkpoint.
+    device : torch.device, optional
+        Overrides ``train.device`` (a stacked group puts every run on its one device).
     """
     dataset = load_data(cfg) if dataset is None else dataset
     partition = make_partition_for(cfg, dataset) if partition is None else partition
     cfg = resolve(cfg, dataset)
-    fed = Federation(cfg, dataset, partition, trainer=trainer)
+    fed = Federation(cfg, dataset, partition, device=device, trainer=trainer)
     _check_output_options(cfg)
     run_dir = out or _fresh_dir(Path(cfg.run.out_dir) / run_name(cfg, fed))
     if run_dir.exists():
@@ -144,7 +153,7 @@ def start_run(cfg: Config, out: Path | None = None, dataset=None, partition=None
         elapsed = extra.get("elapsed", 0.0)
     if 0 in snapshot_rounds and state.round == 0:
         save_checkpoint(run_dir / "checkpoints" / "round_0.pt", state, {"elapsed": 0.0})
-    return _train(fed, state, run_dir, elapsed, snapshot_rounds, on_round_end)
+    return Prepared(fed, state, run_dir, elapsed, tuple(snapshot_rounds))
 
 
 SNAPSHOTS_FILE = "snapshot_rounds.json"  # the rounds start_run was asked to keep
@@ -156,16 +165,23 @@ def resume_run(run_dir: Path, trainer=None, on_round_end: RoundHook | None = Non
 
     ``trainer``, ``on_round_end``: as in :func:`start_run`.
     """
+    return train_prepared(prepare_resume(run_dir, trainer), on_round_end)
+
+
+def prepare_resume(run_dir: Path, trainer=None, dataset=None,
+                   device: torch.device | None = None) -> Prepared:
+    """Load a run directory's config, partition and last checkpoint, and drop rows newer than
+    the checkpoint (``dataset``: already loaded, for a stacked group)."""
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").exists():
         raise UserError(f"{run_dir} is not a run directory (no config.yaml)")
 
     cfg = config_from_dict(load_yaml(run_dir / "config.yaml"))
-    dataset = load_data(cfg)
+    dataset = load_data(cfg) if dataset is None else dataset
     from real_data.data import load_partition
 
     partition = load_partition(run_dir / "partition.npz")
-    fed = Federation(cfg, dataset, partition, trainer=trainer)
+    fed = Federation(cfg, dataset, partition, device=device, trainer=trainer)
     ckpt = run_dir / "checkpoints" / "last.pt"
     state, elapsed = fed.initial_state(), 0.0
     if ckpt.exists():
@@ -176,7 +192,7 @@ def resume_run(run_dir: Path, trainer=None, on_round_end: RoundHook | None = Non
         rundir.truncate_rows(run_dir / name, state.round)
     snapshots = run_dir / SNAPSHOTS_FILE
     rounds = tuple(json.loads(snapshots.read_text())) if snapshots.is_file() else ()
-    return _train(fed, state, run_dir, elapsed, rounds, on_round_end)
+    return Prepared(fed, state, run_dir, elapsed, rounds)
 
 
 def _check_output_options(cfg: Config) -> None:
@@ -188,26 +204,92 @@ def _check_output_options(cfg: Config) -> None:
                               "or set run.tensorboard=false") from None
 
 
-def _train(fed: Federation, state: FedState, run_dir: Path, elapsed: float,
-           snapshot_rounds: tuple[int, ...], on_round_end: RoundHook | None = None
-           ) -> RunResult:
-    from tqdm import tqdm
+@dataclass
+class Prepared:
+    """A run ready to train: its federation, state and directory (:func:`prepare_start`,
+    :func:`prepare_resume`)."""
 
-    cfg = fed.cfg
-    total = cfg.train.rounds
-    metrics = rundir.CsvAppender(run_dir / "metrics.csv", rundir.HEADER)
-    # a metrics.csv written without the stage column is continued in its own format
-    tag_stage = "stage" in metrics.columns
-    timings = rundir.CsvAppender(run_dir / "timings.csv", "round,seconds\n")
-    board = _tensorboard(run_dir) if cfg.run.tensorboard else None
+    fed: Federation
+    state: FedState
+    run_dir: Path
+    elapsed: float
+    snapshot_rounds: tuple[int, ...]
+
+
+class RunLog:
+    """Everything a run writes per round and at its end, so that a run trained alone and a run
+    trained in a stacked group (:mod:`real_data.stacked_runs`) write the same files.
+
+    Per round, in this order: the rows (each tagged with the round's stage) and the round's
+    seconds, TensorBoard scalars, ``on_round_end``, then ``checkpoints/last.pt`` (every
+    ``run.checkpoint_every`` rounds and at the end) and the T0 snapshots; resume drops rows
+    newer than the checkpoint.
+    """
+
+    def __init__(self, prep: Prepared, on_round_end: RoundHook | None = None,
+                 position: int | None = None) -> None:
+        from tqdm import tqdm
+
+        self.prep, self.on_round_end = prep, on_round_end
+        fed, run_dir, state = prep.fed, prep.run_dir, prep.state
+        self.cfg = fed.cfg
+        self.metrics = rundir.CsvAppender(run_dir / "metrics.csv", rundir.HEADER)
+        # a metrics.csv written without the stage column is continued in its own format
+        self.tag_stage = "stage" in self.metrics.columns
+        self.timings = rundir.CsvAppender(run_dir / "timings.csv", "round,seconds\n")
+        self.board = _tensorboard(run_dir) if self.cfg.run.tensorboard else None
+        self.elapsed = prep.elapsed
+        self.best = (_best_so_far(run_dir / "metrics.csv")
+                     if self.cfg.run.progress and state.round else (float("-inf"), 0))
+        self.bar = tqdm(total=self.cfg.train.rounds, initial=state.round,
+                        desc=run_dir.name[:40], disable=not self.cfg.run.progress, leave=True,
+                        position=position)
+
+    def record(self, rnd: int, stage: str, state: FedState, records: list,
+               seconds: float) -> None:
+        """Write round ``rnd``'s rows, timing, checkpoint and snapshot (in that order)."""
+        run_dir, cfg = self.prep.run_dir, self.cfg
+        self.elapsed += seconds
+        self.metrics.append([(*row, stage) for row in records] if self.tag_stage else records)
+        self.timings.append([(rnd, seconds)])
+        if self.board is not None:
+            for _, client, key, value in records:
+                if client == "global":
+                    self.board.add_scalar(key, value, rnd)
+        if self.on_round_end is not None:
+            self.on_round_end(rnd, run_dir)
+        if rnd % cfg.run.checkpoint_every == 0 or rnd == cfg.train.rounds:
+            save_checkpoint(run_dir / "checkpoints" / "last.pt", state,
+                            {"elapsed": self.elapsed})
+        if rnd in self.prep.snapshot_rounds:
+            save_checkpoint(run_dir / "checkpoints" / f"round_{rnd}.pt", state,
+                            {"elapsed": self.elapsed})
+        # progress: the last and the best test accuracy so far
+        self.bar.update(1)
+        acc = next((v for r, c, k, v in records if c == "global" and k == "test_acc"), None)
+        if acc is not None:
+            self.best = max(self.best, (acc, -rnd))
+            self.bar.set_postfix({"stage": stage, "test_acc": f"{acc:.3f}",
+                                  "best": f"{self.best[0]:.3f} (round {-self.best[1]})"})
+        else:
+            self.bar.set_postfix({"stage": stage})
+
+    def close(self, state: FedState, status: str, message: str) -> RunResult:
+        """Close the progress bar and TensorBoard, write ``summary.json`` and the plot."""
+        self.bar.close()
+        if self.board is not None:
+            self.board.close()
+        return _finish(self.prep.fed, state, self.prep.run_dir, self.elapsed, status, message)
+
+
+def train_prepared(prep: Prepared, on_round_end: RoundHook | None = None) -> RunResult:
+    """Train a prepared run alone, round by round, to its last round."""
+    fed, state = prep.fed, prep.state
+    log = RunLog(prep, on_round_end)
     status, message = "completed", ""
-    best = (_best_so_far(run_dir / "metrics.csv") if cfg.run.progress and state.round
-            else (float("-inf"), 0))
     if fed.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(fed.device)
-    bar = tqdm(total=total, initial=state.round, desc=run_dir.name[:40],
-               disable=not cfg.run.progress, leave=True)
-    for rnd in range(state.round + 1, total + 1):
+    for rnd in range(state.round + 1, fed.cfg.train.rounds + 1):
         # 1. one round; on NaN keep the last good checkpoint and stop. plan_round depends only
         #    on (round, server state), so this is the plan run_round follows
         stage = fed.algorithm.plan_round(rnd, state.server_state).stage
@@ -219,44 +301,22 @@ def _train(fed: Federation, state: FedState, run_dir: Path, elapsed: float,
             break
         if fed.device.type == "cuda":
             torch.cuda.synchronize(fed.device)
-        seconds = time.perf_counter() - t_start
-        elapsed += seconds
-        # 2. rows first, then the checkpoint (resume drops rows newer than the checkpoint)
-        metrics.append([(*row, stage) for row in records] if tag_stage else records)
-        timings.append([(rnd, seconds)])
-        if board is not None:
-            for _, client, key, value in records:
-                if client == "global":
-                    board.add_scalar(key, value, rnd)
-        if on_round_end is not None:
-            on_round_end(rnd, run_dir)
-        if rnd % cfg.run.checkpoint_every == 0 or rnd == total:
-            save_checkpoint(run_dir / "checkpoints" / "last.pt", state, {"elapsed": elapsed})
-        if rnd in snapshot_rounds:
-            save_checkpoint(run_dir / "checkpoints" / f"round_{rnd}.pt", state,
-                            {"elapsed": elapsed})
-        # 3. progress: the last and the best test accuracy so far
-        bar.update(1)
-        acc = next((v for r, c, k, v in records if c == "global" and k == "test_acc"), None)
-        if acc is not None:
-            best = max(best, (acc, -rnd))
-            bar.set_postfix({"stage": stage, "test_acc": f"{acc:.3f}",
-                             "best": f"{best[0]:.3f} (round {-best[1]})"})
-        else:
-            bar.set_postfix({"stage": stage})
-    bar.close()
-    if board is not None:
-        board.close()
-    result = _finish(fed, state, run_dir, elapsed, status, message)
+        # 2. rows first, then the checkpoint
+        log.record(rnd, stage, state, records, time.perf_counter() - t_start)
+    result = log.close(state, status, message)
     if fed.device.type == "cuda":
-        # a run's CUDA graphs capture its own data tensors, so no later run can reuse them;
-        # release them (study workers running many runs each grew from 5.6 to 23 GB per GPU
-        # within five minutes on the H200s before this)
-        from real_data.engines import fast
-
-        fast.clear_cache()
-        torch.cuda.empty_cache()
+        release_device_caches()
     return result
+
+
+def release_device_caches() -> None:
+    """Drop the fast engine's CUDA graphs and the allocator's cache: a run's graphs capture
+    its own data tensors, so no later run can reuse them, and a worker that runs many runs
+    would otherwise keep every run's graphs."""
+    from real_data.engines import fast
+
+    fast.clear_cache()
+    torch.cuda.empty_cache()
 
 
 def _best_so_far(metrics_path: Path) -> tuple[float, int]:
@@ -272,10 +332,7 @@ def _finish(fed, state, run_dir, elapsed, status, message) -> RunResult:
                **rundir.summarize(run_dir / "metrics.csv"), **rundir.provenance(fed.device)}
     if fed.device.type == "cuda":
         summary["peak_memory_bytes"] = torch.cuda.max_memory_allocated(fed.device)
-    fed_state = state.server_state
-    if isinstance(fed_state, dict) and fed_state.get("constants") is not None:
-        summary["warmup"] = {"warmup_rounds": fed_state.get("warmup_rounds"),
-                             "constants": fed_state["constants"]}
+    summary.update(fed.algorithm.run_summary(state.server_state))
     rundir.write_json(run_dir / "summary.json", summary)
     if fed.cfg.run.plot and state.round > 0:
         rundir.plot_curves(run_dir / "metrics.csv", run_dir / "curves.png", run_dir.name)
