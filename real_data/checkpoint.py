@@ -42,7 +42,8 @@ def save_checkpoint(path: Path, state: FedState, extra: dict) -> None:
     """Write ``state`` and ``extra`` (elapsed time, config) atomically."""
     payload = {"round": state.round, "global_params": state.global_params,
                "client_state": state.client_state, "server_state": state.server_state,
-               "prev_grad_norm_last": state.prev_grad_norm_last, "rng": rng_states(),
+               "prev_grad_norm_last": state.prev_grad_norm_last, "plateau": state.plateau,
+               "rng": rng_states(),
                "extra": extra}
     with atomic_path(path) as tmp:
         torch.save(payload, tmp)
@@ -56,5 +57,6 @@ def load_checkpoint(path: Path, device: torch.device) -> tuple[FedState, dict, d
     """
     payload = torch.load(path, map_location=device, weights_only=False)
     state = FedState(payload["round"], payload["global_params"], payload["client_state"],
-                     payload["server_state"], payload["prev_grad_norm_last"])
+                     payload["server_state"], payload["prev_grad_norm_last"],
+                     payload.get("plateau"))
     return state, payload["extra"], payload["rng"]

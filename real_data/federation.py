@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from linattn_theory.schedules import PlateauState
 from real_data.algorithms import AlgorithmContext, get_algorithm
 from real_data.config import Config
 from real_data.device import resolve_device
@@ -58,6 +59,7 @@ class FedState:
     client_state: dict = field(default_factory=dict)
     server_state: Any = None
     prev_grad_norm_last: float | None = None
+    plateau: PlateauState | None = None  # train.lr_schedule kind plateau: its running state
 
 
 class TrainedRound(NamedTuple):
@@ -82,6 +84,20 @@ class TrainedRound(NamedTuple):
     update_norm: float | None = None
 
 
+@dataclass
+class RoundWork:
+    """A round planned by :meth:`Federation.begin_round`, to be trained and then finished by
+    :meth:`Federation.finish_round` (a stacked group trains many runs' works together)."""
+
+    ids: np.ndarray
+    plan: Any
+    weights: torch.Tensor
+    bytes_up: int
+    bytes_down: int
+    lr: float
+    job: LocalJob | None = None
+
+
 def sample_clients(seed: int, rnd: int, num_clients: int, per_round: int | None) -> np.ndarray:
     """Sorted ids of the clients of round ``rnd``, from ``default_rng([seed, rnd])``."""
     if per_round is None or per_round >= num_clients:
@@ -104,10 +120,8 @@ class Federation:
         self.dtype = torch.float64 if t.precision == "fp64" else torch.float32
         use_bf16 = t.precision == "bf16" and self.device.type == "cuda"
         self.autocast = torch.bfloat16 if use_bf16 else None
-        data = dataset.to(self.device)
-        cast = (lambda v: v.to(self.dtype)) if data.x_train.is_floating_point() else (lambda v: v)
-        self.x_train, self.y_train = cast(data.x_train), data.y_train
-        self.x_test, self.y_test = cast(data.x_test), data.y_test
+        self.x_train, self.y_train, self.x_test, self.y_test = _device_data(
+            dataset, self.device, self.dtype)
         self.partition = partition
         self.sizes = torch.as_tensor(partition.sizes, dtype=torch.float64)
         mcfg = complete_model_config(cfg.model.name, cfg.model.params, dataset.input_shape,
@@ -128,6 +142,9 @@ class Federation:
         self.engine = get_engine(t.engine)
         self.planner = BatchPlanner(partition.train, cfg.role_seed("training"), t.batch_size,
                                     t.local_steps, t.local_epochs, self.device)
+        schedule = t.schedule
+        self._multipliers = (None if schedule.kind == "constant" and not schedule.warmup_rounds
+                             else schedule.multipliers(t.lr, t.rounds))
         self._flops: dict[tuple[str, ...], int] = {}
 
     # -- state --------------------------------------------------------------------------------
@@ -138,24 +155,66 @@ class Federation:
                         self.algorithm.init_server_state(params))
 
     # -- one round ----------------------------------------------------------------------------
+    def round_lr(self, state: FedState, rnd: int) -> float:
+        """The clients' learning rate in round ``rnd``: ``train.lr`` times the schedule's
+        multiplier (``plateau``: the running state's)."""
+        t = self.cfg.train
+        if self._multipliers is None:
+            return t.lr
+        scale = float(self._multipliers[rnd - 1])
+        if state.plateau is not None:
+            scale *= state.plateau.multiplier
+        return t.lr * scale
+
     def run_round(self, state: FedState, rnd: int) -> tuple[FedState, list[Record]]:
         """Advance ``state`` (at round ``rnd - 1``) by round ``rnd``; raise Diverged on NaN."""
-        cfg, algo = self.cfg, self.algorithm
-        t = cfg.train
-        # 1. who takes part, what trains, with which weights and minibatches
-        ids = sample_clients(cfg.role_seed("sampling"), rnd, self.partition.num_clients,
-                             t.clients_per_round)
-        plan = algo.plan_round(rnd, state.server_state)
-        w = self.sizes[ids]
-        weights = (w / w.sum()).to(self.device)
-        bytes_down = BYTES_PER_NUMBER * algo.download_numel(plan, ids, state.server_state)
-        bytes_up = BYTES_PER_NUMBER * algo.upload_numel(plan, ids, state.server_state)
+        work = self.begin_round(state, rnd, job=self.trainer is None)
         # 2. local training on every sampled client (or on other processes: self.trainer)
         if self.trainer is None:
-            trained = TrainedRound(self.train_clients(state, rnd, plan, ids, ahead=True),
-                                   weights)
+            results = self.train_job(work.job)
+            self.prefetch(rnd + 1)  # once this round is queued: its launches need the GIL
+            self.model.eval()
+            trained = TrainedRound(results, work.weights)
         else:
-            trained = self.trainer(self, state, rnd, plan, ids, weights)
+            trained = self.trainer(self, state, rnd, work.plan, work.ids, work.weights)
+        return self.finish_round(state, rnd, work, trained)
+
+    def begin_round(self, state: FedState, rnd: int, job: bool = True) -> RoundWork:
+        """1. Who takes part in round ``rnd``, what trains, with which weights, learning rate
+        and minibatches (``job``: also build the engine's :class:`LocalJob`)."""
+        cfg, algo = self.cfg, self.algorithm
+        ids = sample_clients(cfg.role_seed("sampling"), rnd, self.partition.num_clients,
+                             cfg.train.clients_per_round)
+        plan = algo.plan_round(rnd, state.server_state)
+        w = self.sizes[ids]
+        lr = self.round_lr(state, rnd)
+        algo.round_lr = lr
+        work = RoundWork(ids, plan, (w / w.sum()).to(self.device),
+                         BYTES_PER_NUMBER * algo.upload_numel(plan, ids, state.server_state),
+                         BYTES_PER_NUMBER * algo.download_numel(plan, ids, state.server_state),
+                         lr)
+        if job:
+            work.job = self.local_job(state, rnd, plan, ids)
+        return work
+
+    def prefetch(self, rnd: int) -> None:
+        """Draw round ``rnd``'s minibatch plans on a CPU thread (after this round is queued)."""
+        t = self.cfg.train
+        if rnd <= t.rounds:
+            self.planner.prefetch(sample_clients(self.cfg.role_seed("sampling"), rnd,
+                                                 self.partition.num_clients,
+                                                 t.clients_per_round), rnd)
+
+    def finish_round(self, state: FedState, rnd: int, work: RoundWork,
+                     trained: TrainedRound | ClientResults) -> tuple[FedState, list[Record]]:
+        """3-5. The server update, the round's diagnostics and evaluation, from the clients'
+        results (``ClientResults`` of this process, or a trainer's :class:`TrainedRound`)."""
+        cfg, algo, t = self.cfg, self.algorithm, self.cfg.train
+        if isinstance(trained, ClientResults):
+            trained = TrainedRound(trained, work.weights)
+        ids, plan, weights = work.ids, work.plan, work.weights
+        bytes_up, bytes_down = work.bytes_up, work.bytes_down
+        algo.round_lr = work.lr
         results = trained.results
         _check_finite(rnd, ids, results.objective, results.params)
         # 3. client state, then the server update
@@ -190,8 +249,13 @@ class Federation:
         records: list[Record] = []
         for c, m in enumerate(ids):
             records.append((rnd, str(int(m)), "train_loss", float(results.data_loss[c])))
+        plateau = state.plateau
+        if self._multipliers is not None and t.schedule.kind == "plateau":
+            plateau = dataclasses.replace(plateau or PlateauState())
+            plateau.observe(g["train_loss"], t.schedule)
         new_state = FedState(rnd, new_params, state.client_state, state.server_state,
-                             float(results.grad_norm_last.mean()))
+                             float(results.grad_norm_last.mean()), plateau)
+        g["lr"] = work.lr
         # 5. evaluation
         if rnd % cfg.eval.every == 0 or rnd == t.rounds:
             g_eval, per_client = self.evaluate(new_state)
@@ -201,35 +265,40 @@ class Federation:
         records += [(rnd, "global", k, v) for k, v in sorted(g.items())]
         return new_state, records
 
-    def train_clients(self, state: FedState, rnd: int, plan, ids: np.ndarray,
-                      ahead: bool = False):
-        """Local training of the clients ``ids`` in round ``rnd`` here (-> ClientResults).
+    def train_clients(self, state: FedState, rnd: int, plan, ids: np.ndarray):
+        """Local training of the clients ``ids`` in round ``rnd`` here (-> ClientResults)."""
+        self.algorithm.round_lr = lr = self.round_lr(state, rnd)
+        results = self.train_job(self.local_job(state, rnd, plan, ids, lr))
+        self.model.eval()
+        return results
 
-        ``ahead``: draw the next round's minibatch plan on a CPU thread while this round trains
-        (the whole next round's clients; see :class:`~real_data.engines.BatchPlanner`).
-        """
-        cfg, algo, t = self.cfg, self.algorithm, self.cfg.train
-        batches = self.planner.plan(ids, rnd)
+    def train_job(self, job: LocalJob):
+        """Run ``job`` on this federation's engine (dropout on where the model has it)."""
+        if self.model.training != (self._dropout > 0):
+            self.model.train(self._dropout > 0)
+        return self.engine(job)
+
+    def local_job(self, state: FedState, rnd: int, plan, ids: np.ndarray,
+                  lr: float | None = None) -> LocalJob:
+        """The engine's job for the clients ``ids`` in round ``rnd`` (``lr``: the round's
+        learning rate, by default from the schedule)."""
+        cfg, algo = self.cfg, self.algorithm
+        lr = self.round_lr(state, rnd) if lr is None else lr
         idx = torch.as_tensor(ids, device=self.device)
-        job = LocalJob(
+        optimizer = self.optimizer if lr == self.optimizer.lr else \
+            dataclasses.replace(self.optimizer, lr=lr)
+        if self.model.training != (self._dropout > 0):
+            self.model.train(self._dropout > 0)
+        return LocalJob(
             model=self.model, algorithm=algo, global_params=state.global_params,
-            trainable=plan.trainable, batches=batches, x=self.x_train, y=self.y_train,
-            optimizer=self.optimizer, client_ids=ids,
+            trainable=plan.trainable, batches=self.planner.plan(ids, rnd), x=self.x_train,
+            y=self.y_train, optimizer=optimizer, client_ids=ids,
             dropout_seed=int(np.random.SeedSequence([cfg.role_seed("training"), rnd])
                              .generate_state(1)[0]),
             overrides=algo.client_start(ids, state.global_params, state.client_state,
                                         state.server_state),
             client_state={k: v[idx] for k, v in state.client_state.items()},
             server_state=state.server_state, autocast=self.autocast)
-        if self.model.training != (self._dropout > 0):
-            self.model.train(self._dropout > 0)
-        results = self.engine(job)
-        if ahead and rnd < t.rounds:  # once this round is queued: its launches need the GIL
-            self.planner.prefetch(sample_clients(cfg.role_seed("sampling"), rnd + 1,
-                                                 self.partition.num_clients,
-                                                 t.clients_per_round), rnd + 1)
-        self.model.eval()
-        return results
 
     @property
     def _dropout(self) -> float:
@@ -276,6 +345,24 @@ class Federation:
                 lambda ps, xb: self.algorithm.forward(self.model, ps, xb), params, trainable,
                 self.x_train[ix], self.y_train[ix])
         return self._flops[key]
+
+
+_DATA: dict[tuple, tuple] = {}  # (id of the data set, device, dtype) -> its tensors there
+
+
+def _device_data(dataset, device: torch.device, dtype: torch.dtype) -> tuple:
+    """The data set's splits on ``device`` (images in ``dtype``), one copy for every federation
+    of the data set in this process, so that stacked runs share the tensors they index."""
+    key = (id(dataset), str(device), dtype)
+    if key not in _DATA or _DATA[key][0] is not dataset:
+        while len(_DATA) >= 2:
+            _DATA.pop(next(iter(_DATA)))
+        data = dataset.to(device)
+        floating = data.x_train.is_floating_point()
+        cast = (lambda v: v.to(dtype)) if floating else (lambda v: v)
+        _DATA[key] = (dataset, (cast(data.x_train), data.y_train, cast(data.x_test),
+                                data.y_test))
+    return _DATA[key][1]
 
 
 def _check_finite(rnd, ids, objective, params) -> None:

@@ -127,6 +127,9 @@ class Algorithm:
     def __init__(self, params, ctx: AlgorithmContext) -> None:
         self.params = params
         self.ctx = ctx
+        # the clients' learning rate of the round being trained (the round loop sets it from
+        # train.lr_schedule before each round); estimates that divide by K eta read this one
+        self.round_lr = ctx.optimizer.lr
 
     # -- state ------------------------------------------------------------------------------
     def init_global_params(

@@ -139,7 +139,7 @@ class FedFrozen(Algorithm):
         as metrics (none before)."""
         probe = server_state.probe
         probe.append(round_statistics(global_params, results.params, results.first_loss,
-                                      results.steps, weights, self.ctx.optimizer.lr))
+                                      results.steps, weights, self.round_lr))
         if len(probe) < self.params.probe_rounds:
             return {}
         est = estimate_constants(probe, self.ctx.optimizer.lr, self.ctx.total_rounds)
@@ -153,7 +153,7 @@ class FedFrozen(Algorithm):
         server_state.warmup_rounds = t0
         server_state.constants = {**est, "loss_floor": floor, "regime": rec.regime,
                                   "recommended": int(rec.warmup_rounds)}
-        server_state.probe = []  # the flat vectors are no longer needed
+        server_state.probe = []  # T0 is set: the probe's flat vectors are not needed again
         metrics = {f"probe_{k}": float(v) for k, v in est.items()}
         metrics.update(probe_loss_floor=floor, warmup_rounds_recommended=float(t0))
         return metrics

@@ -77,7 +77,7 @@ class Scaffold(Algorithm):
     def update_client_state(self, rnd, client_ids, global_params, results, client_state,
                             server_state):
         idx = torch.as_tensor(client_ids, device=results.steps.device).long()
-        k_eta = results.steps.double() * self.ctx.optimizer.lr  # (C,)
+        k_eta = results.steps.double() * self.round_lr  # (C,): K eta of this round
         server_c = server_state.c
         for n, c in list(server_c.items()):
             y = results.params[n]

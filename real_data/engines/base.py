@@ -235,6 +235,17 @@ class LocalJob:
     client_ids : np.ndarray
     autocast : torch.dtype or None
         bf16 autocast on CUDA, ``None`` otherwise.
+    lr : torch.Tensor or None
+        ``(C,)`` per-client learning rates replacing ``optimizer.lr`` (stacked runs, each
+        with its own lr or schedule); ``None``: ``optimizer.lr`` for every client.
+    train_mask : dict
+        Trainable name -> ``(C,)`` bool: whether each client trains it (stacked runs whose
+        trainable sets differ); a name absent here is trained by every client. A masked-out
+        client's gradient of that parameter is zero before its norm, clipping, weight decay
+        and update, so the parameter keeps its start value and takes no part in the norm.
+    pad_clients : int or None
+        Pad the engine call to this many clients (a constant shape for a group whose
+        membership changes); the padding rows are discarded.
     """
 
     model: nn.Module
@@ -251,6 +262,9 @@ class LocalJob:
     client_state: dict[str, torch.Tensor] = field(default_factory=dict)
     server_state: Any = None
     autocast: torch.dtype | None = None
+    lr: torch.Tensor | None = None
+    train_mask: dict[str, torch.Tensor] = field(default_factory=dict)
+    pad_clients: int | None = None
 
     def start(self, name: str) -> torch.Tensor:
         """Stacked ``(C, ...)`` start values of one parameter."""

@@ -83,6 +83,7 @@ class _Setup:
     attention: str
     fold_norms: bool = True
     triton_update: bool = True
+    masked: tuple[str, ...] = ()  # trainable names some clients do not train (stacked runs)
 
 
 def _allow_recompiles(limit: int = 256) -> None:
@@ -123,6 +124,14 @@ class _Runner:
         names = (("exp_avg", "exp_avg_sq") if spec.name == "adam"
                  else ("momentum_buffer",) if spec.momentum else ())
         self.opt_state = {k: torch.zeros_like(self.flat) for k in names}
+        # each client's learning rate is data: a new lr (a schedule, stacked runs) reuses the
+        # graph and the compiled code
+        self.lr = torch.zeros(cc, 1, dtype=dt, device=dev)
+        # stacked runs: 1 where a client trains a column, 0 where its run keeps it frozen
+        self.mask = torch.ones_like(self.flat) if setup.masked else None
+        offsets = torch.tensor([0] + self.numel, dtype=torch.int64).cumsum(0).tolist()
+        self.columns = {n: (offsets[i], offsets[i + 1])
+                        for i, n in enumerate(setup.trainable)}
         # 2. frozen parameters: shared (one copy) or the clients' own (stacked) values
         self.shared = {n: job.global_params[n].clone() for n in setup.shared}
         self.own = {n: job.overrides[n][:1].expand(cc, *job.overrides[n].shape[1:]).clone()
@@ -149,8 +158,8 @@ class _Runner:
         # captured SGD on CUDA: the update reads each gradient in place (two Triton kernels)
         self.sgd = (flat_update.FlatSGD(self.numel, self.flat,
                                         self.opt_state.get("momentum_buffer"), setup.spec,
-                                        setup.ragged)
-                    if setup.graphs and setup.triton_update
+                                        setup.ragged, self.lr.view(cc))
+                    if setup.graphs and setup.triton_update and not setup.masked
                     and flat_update.usable(self.flat, setup.spec) else None)
         self.account_fn = (torch.compile(self._account, dynamic=False) if setup.compile
                            else self._account)
@@ -179,6 +188,14 @@ class _Runner:
             t.copy_(job.client_state[k][rows])
         for t in self.opt_state.values():
             t.zero_()
+        if job.lr is None:
+            self.lr.fill_(job.optimizer.lr)
+        else:
+            self.lr.copy_(job.lr[rows].unsqueeze(1))
+        if self.mask is not None:
+            for n in self.setup.masked:
+                a, b = self.columns[n]
+                self.mask[:, a:b].copy_(job.train_mask[n][rows].unsqueeze(1))
         self.idx.copy_(job.batches.idx[rows])
         self.active.copy_(job.batches.active[rows])
         for t in (self.s, self.count, *self.acc.values()):
@@ -262,6 +279,8 @@ class _Runner:
         """Norm, clipping, weight decay and the update on the flat buffers; loss accounting."""
         spec, cc = self.setup.spec, self.cc
         g = torch.cat([t.reshape(cc, -1) for t in grads], dim=1)  # (Cc, P)
+        if self.mask is not None:  # a run's frozen parameters: no gradient, no norm share
+            g.mul_(self.mask)
         # 3. norm before clipping, clipping, weight decay, optimizer update (flat buffers)
         norms = torch.linalg.vector_norm(g, dim=1).double()
         if spec.clip_grad_norm is not None:
@@ -269,9 +288,11 @@ class _Runner:
             g.mul_(coef.to(g.dtype).unsqueeze(1))
         if spec.weight_decay:
             g.add_(self.flat, alpha=spec.weight_decay)
+            if self.mask is not None:
+                g.mul_(self.mask)
         self.count.add_(on.long())  # Adam's step count, before its update
         optim.flat_step_(spec, self.flat, g, self.opt_state, self.count, on.unsqueeze(1),
-                         self.setup.ragged)
+                         self.setup.ragged, self.lr)
         self._account(norms, data, obj, on, first)
 
     def _account(self, norms: torch.Tensor, data: torch.Tensor, obj: torch.Tensor,
@@ -300,7 +321,9 @@ def _setup(job: LocalJob, graphs: bool, compile: bool | str, attention: str = "a
         own=tuple(n for n in fixed if n in job.overrides),
         shapes=tuple(tuple(job.global_params[n].shape) for n in job.trainable),
         steps=int(job.batches.idx.shape[1]), batch=int(job.batches.idx.shape[2]),
-        ragged=ragged, regularizer=reg, spec=job.optimizer, autocast=job.autocast,
+        # the lr is data (_Runner.lr), not part of what a graph or compiled step depends on
+        ragged=ragged, regularizer=reg, spec=replace(job.optimizer, lr=0.0),
+        autocast=job.autocast,
         dtype=job.global_params[job.trainable[0]].dtype,
         data=(job.x.data_ptr(), tuple(job.x.shape), job.x.dtype, job.y.data_ptr(),
               tuple(job.y.shape), str(dev), tuple(sorted(job.client_state))),
@@ -310,6 +333,7 @@ def _setup(job: LocalJob, graphs: bool, compile: bool | str, attention: str = "a
         attention=attention,
         fold_norms=fold_norms,
         triton_update=triton_update,
+        masked=tuple(n for n in job.trainable if n in job.train_mask),
     )
 
 
@@ -381,9 +405,11 @@ def train_fast(job: LocalJob, graphs: bool = True, compile: bool | str = False,
     setup = _setup(job, graphs, compile, attention, fold_norms, triton_update)
     n_clients = len(job.client_ids)
     dev = job.x.device
-    cc = _max_chunk(job, setup, n_clients)
-    n_chunks = -(-n_clients // cc)
-    cc = -(-n_clients // n_chunks)  # equal chunks: one graph; the last one padded
+    # a stacked group pads to its largest membership: one shape while runs finish or fork
+    shape = max(n_clients, job.pad_clients or 0)
+    cc = _max_chunk(job, setup, shape)
+    n_chunks = -(-shape // cc)
+    cc = -(-shape // n_chunks)  # equal chunks: one graph; the last one padded
     runner = _runner(job, setup, cc)
     # copied now, while the device is idle: a host-to-device copy after the queued steps would
     # hold the host until they finish

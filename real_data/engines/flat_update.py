@@ -57,9 +57,12 @@ if triton is not None:
         tl.store(OUT + c * NB + blk, tl.sum(g * g, 0))
 
     @triton.jit
-    def _apply(g, P, M, off, mask, c, COEF, lr, mu, wd, HAS_COEF: tl.constexpr,
+    def _apply(g, P, M, off, mask, c, COEF, LR, mu, wd, HAS_COEF: tl.constexpr,
                HAS_MOMENTUM: tl.constexpr, HAS_WD: tl.constexpr):
-        """Clip, weight decay, momentum and the step on one tile (torch.optim.SGD's order)."""
+        """Clip, weight decay, momentum and the step on one tile (torch.optim.SGD's order);
+        the learning rate is client ``c``'s entry of ``LR`` (data, so a schedule never
+        recaptures)."""
+        lr = tl.load(LR + c)
         p = tl.load(P + off, mask=mask, other=0.0)
         if HAS_COEF:
             g = g * tl.load(COEF + c)
@@ -74,7 +77,7 @@ if triton is not None:
         tl.store(P + off, p - lr * g, mask=mask)
 
     @triton.jit
-    def _sgd_kernel(G, BSEG, BSTART, NUMEL, GSTRIDE, COL, P, M, COEF, ON, P_STRIDE, lr, mu, wd,
+    def _sgd_kernel(G, BSEG, BSTART, NUMEL, GSTRIDE, COL, P, M, COEF, ON, P_STRIDE, LR, mu, wd,
                     HAS_COEF: tl.constexpr, HAS_MOMENTUM: tl.constexpr, HAS_WD: tl.constexpr,
                     RAGGED: tl.constexpr, BLOCK: tl.constexpr):
         # a block of a row-major gradient: the same offsets in the flat buffers
@@ -90,12 +93,12 @@ if triton is not None:
         i = start + tl.arange(0, BLOCK)
         mask = i < n
         g = tl.load(g_ptr + c * tl.load(GSTRIDE + seg) + i, mask=mask, other=0.0)
-        _apply(g, P, M, c * P_STRIDE + tl.load(COL + seg) + i, mask, c, COEF, lr, mu, wd,
+        _apply(g, P, M, c * P_STRIDE + tl.load(COL + seg) + i, mask, c, COEF, LR, mu, wd,
                HAS_COEF, HAS_MOMENTUM, HAS_WD)
 
     @triton.jit
     def _sgd_t_kernel(G, TSEG, TR0, TC0, ROWS, COLS, GSTRIDE, COL, P, M, COEF, ON, P_STRIDE,
-                      lr, mu, wd, HAS_COEF: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
+                      LR, mu, wd, HAS_COEF: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
                       HAS_WD: tl.constexpr, RAGGED: tl.constexpr, BR: tl.constexpr,
                       BC: tl.constexpr):
         # a (BR, BC) tile of a transposed gradient (element (r, k) at r + k rows, as a GEMM
@@ -113,7 +116,7 @@ if triton is not None:
         mask = (r < rows) & (k < cols)
         g_ptr = tl.load(G + seg).to(tl.pointer_type(tl.float32))
         g = tl.load(g_ptr + c * tl.load(GSTRIDE + seg) + r + k * rows, mask=mask, other=0.0)
-        _apply(g, P, M, c * P_STRIDE + tl.load(COL + seg) + r * cols + k, mask, c, COEF, lr, mu,
+        _apply(g, P, M, c * P_STRIDE + tl.load(COL + seg) + r * cols + k, mask, c, COEF, LR, mu,
                wd, HAS_COEF, HAS_MOMENTUM, HAS_WD)
 
 
@@ -137,9 +140,11 @@ class FlatSGD:
     flat, momentum : torch.Tensor
         ``(Cc, P)`` fp32 parameters and momentum (``None`` without momentum), updated in place.
     spec : OptimizerSpec
-        ``sgd`` with its lr, momentum, weight decay and clipping.
+        ``sgd`` with its momentum, weight decay and clipping.
     ragged : bool
         Whether some clients may be idle in a step (then ``on`` masks them).
+    lr : torch.Tensor
+        ``(Cc,)`` fp32 learning rate of each client, read at every step.
 
     The block tables follow the gradients' layouts, seen at the first step (a warm-up step,
     before a graph is captured); a row-major gradient goes in blocks of ``BLOCK``, a
@@ -149,8 +154,8 @@ class FlatSGD:
     TILE = 64
 
     def __init__(self, numel: list[int], flat: torch.Tensor, momentum: torch.Tensor | None,
-                 spec, ragged: bool) -> None:
-        self.flat, self.momentum_buffer = flat, momentum
+                 spec, ragged: bool, lr: torch.Tensor) -> None:
+        self.flat, self.momentum_buffer, self.lr = flat, momentum, lr
         self.spec, self.ragged = spec, ragged
         self.numel_list = list(numel)
         self.cols_list = torch.tensor([0] + numel[:-1], dtype=torch.int64).cumsum(0).tolist()
@@ -223,7 +228,7 @@ class FlatSGD:
         common = dict(HAS_COEF=coef is not None, HAS_MOMENTUM=bool(spec.momentum),
                       HAS_WD=bool(spec.weight_decay), RAGGED=self.ragged)
         args = (self.cols, self.flat, m, coef if coef is not None else norms, on,
-                self.flat.stride(0), float(spec.lr), float(spec.momentum),
+                self.flat.stride(0), self.lr, float(spec.momentum),
                 float(spec.weight_decay))
         if len(self.bseg_u):
             _sgd_kernel[(len(self.bseg_u), cc)](self.ptrs, self.bseg_u, self.bstart_u,

@@ -90,8 +90,12 @@ def flat_step_(
     count: torch.Tensor,
     on: torch.Tensor,
     ragged: bool,
+    lr: torch.Tensor | None = None,
 ) -> None:
     """SGD (heavy ball) or Adam on a flat ``(C, P)`` buffer, in place.
+
+    ``lr``: ``(C, 1)`` per-client learning rates (in the buffer's dtype) replacing
+    ``spec.lr``.
 
     ``g`` is the ``(C, P)`` gradient, already clipped and with weight decay added; ``state``
     holds ``(C, P)`` buffers under torch's names (``momentum_buffer``, or ``exp_avg`` and
@@ -114,7 +118,12 @@ def flat_step_(
             else:
                 buf.mul_(spec.momentum).add_(g)
             g = buf
-        if ragged:
+        if lr is not None:
+            if ragged:
+                assign(flat, flat - lr * g)
+            else:
+                flat.sub_(lr * g)
+        elif ragged:
             assign(flat, flat.add(g, alpha=-spec.lr))
         else:
             flat.add_(g, alpha=-spec.lr)
@@ -124,6 +133,7 @@ def flat_step_(
     assign(exp_avg, exp_avg.lerp(g, 1 - b1))
     assign(exp_avg_sq, exp_avg_sq.mul(b2).addcmul(g, g, value=1 - b2))
     t = count.double()
-    step_size = (spec.lr / (1 - b1**t)).to(flat.dtype).unsqueeze(1)
+    base = spec.lr if lr is None else lr.squeeze(1).double()
+    step_size = (base / (1 - b1**t)).to(flat.dtype).unsqueeze(1)
     bc2_sqrt = (1 - b2**t).sqrt().to(flat.dtype).unsqueeze(1)
     assign(flat, flat - step_size * exp_avg / (exp_avg_sq.sqrt() / bc2_sqrt + spec.eps))

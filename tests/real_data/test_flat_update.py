@@ -47,8 +47,9 @@ for spec, ragged in SPECS:
         m_new = m_ref * spec.momentum + g
         m_ref = torch.where(on.unsqueeze(1), m_new, m_ref)
         g = m_new
-    p_ref = torch.where(on.unsqueeze(1), p_ref - spec.lr * g, p_ref)
-    sgd = FlatSGD(numel, flat, m, spec, ragged)
+    lr = torch.tensor([spec.lr, 2 * spec.lr, 0.5 * spec.lr])  # each client its own lr
+    p_ref = torch.where(on.unsqueeze(1), p_ref - lr.double().unsqueeze(1) * g, p_ref)
+    sgd = FlatSGD(numel, flat, m, spec, ragged, lr)
     norms, _ = sgd.step(grads, on)
     rel = lambda a, b: float((a.double() - b).abs().max() / b.abs().max())
     out.append([rel(norms, norms_ref), rel(flat, p_ref), rel(m, m_ref) if m is not None else 0.0,

@@ -1,0 +1,140 @@
+"""Run stacking: one round of several runs trained as one engine call.
+
+The runs of a sweep that share a model architecture and a data set differ in what the engine
+sees only through data: start values, minibatch indices, the learning rate and which
+parameters train. So their sampled clients go on one client axis, as a single run's clients
+already do, and the fast engine trains them together:
+
+1. every parameter of every client starts at its own run's global value (``overrides``),
+2. the trainable set is the union of the runs' trainable sets; a per-client mask keeps each
+   client's gradient (and so its norm, clipping, weight decay and update) to its own run's set,
+3. each client steps with its own run's learning rate (a tensor, so a change of lr never
+   recompiles or recaptures),
+4. the round's minibatch plans are concatenated (padded to the longest with idle steps).
+
+In exact arithmetic each client computes what it computes in its own run: masked entries are
+exact zeros, and the only difference is the order of summation inside batched kernels. Jobs that
+the fast path cannot stack (a regularizer or forward of the algorithm's own, per-client state,
+a model without the stacked forward, dropout) are trained one by one in the same round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from real_data.algorithms.base import Algorithm
+from real_data.engines import fast
+from real_data.engines.base import Batches, ClientResults, LocalJob
+
+
+def stackable(job: LocalJob) -> bool:
+    """True when ``job`` can share an engine call with other runs' jobs.
+
+    The algorithm must use the plain local objective (the base class's ``forward`` and zero
+    regularizer), hold no per-client state and give no per-client start values; the model needs
+    the stacked forward; dropout must be off (its random stream is per engine call).
+    """
+    algo = type(job.algorithm)
+    return (algo.forward is Algorithm.forward and algo.regularizer is Algorithm.regularizer
+            and not job.client_state and not job.overrides and job.lr is None
+            and not job.train_mask and fast.supports(job) and not job.model.training)
+
+
+def compatible(a: LocalJob, b: LocalJob) -> bool:
+    """True when two stackable jobs can go into one engine call."""
+    sa, sb = a.optimizer, b.optimizer
+    same_spec = dataclasses.replace(sa, lr=0.0) == dataclasses.replace(sb, lr=0.0)
+    shapes = {n: tuple(t.shape) for n, t in a.global_params.items()}
+    return (same_spec and a.x is b.x and a.y is b.y and a.autocast == b.autocast
+            and shapes == {n: tuple(t.shape) for n, t in b.global_params.items()}
+            and next(iter(a.global_params.values())).dtype
+            == next(iter(b.global_params.values())).dtype
+            and type(a.model) is type(b.model)
+            and a.batches.idx.shape[2] == b.batches.idx.shape[2])
+
+
+def _pad_steps(b: Batches, steps: int) -> Batches:
+    extra = steps - b.idx.shape[1]
+    if extra == 0:
+        return b
+    c, _, batch = b.idx.shape
+    idx = torch.cat([b.idx, b.idx[:, -1:].expand(c, extra, batch)], dim=1)
+    active = torch.cat([b.active, b.active.new_zeros(c, extra)], dim=1)
+    return Batches(idx, active, b.steps)
+
+
+def stack_jobs(jobs: list[LocalJob], pad_clients: int | None = None) -> LocalJob:
+    """One job whose clients are the clients of every job in ``jobs``, in order.
+
+    ``pad_clients``: a client count the engine pads the call to, so that a group whose
+    membership changes (a run finishes, a branch forks) keeps one compiled shape.
+    """
+    first = jobs[0]
+    names = list(first.global_params)  # model order
+    trainable = tuple(n for n in names if any(n in j.trainable for j in jobs))
+    overrides = {n: torch.cat([j.start(n) for j in jobs]) for n in names}
+    mask = {}
+    for n in trainable:
+        on = torch.cat([torch.full((len(j.client_ids),), n in j.trainable, dtype=torch.bool)
+                        for j in jobs])
+        if not bool(on.all()):
+            mask[n] = on.to(first.x.device)
+    lr = torch.cat([torch.full((len(j.client_ids),), float(j.optimizer.lr),
+                               dtype=torch.float64) for j in jobs]).to(first.x.device)
+    steps = max(int(j.batches.idx.shape[1]) for j in jobs)
+    padded = [_pad_steps(j.batches, steps) for j in jobs]
+    batches = Batches(torch.cat([b.idx for b in padded]), torch.cat([b.active for b in padded]),
+                      torch.cat([b.steps for b in padded]))
+    return LocalJob(model=first.model, algorithm=first.algorithm,
+                    global_params=first.global_params, trainable=trainable, batches=batches,
+                    x=first.x, y=first.y, optimizer=first.optimizer,
+                    client_ids=np.concatenate([j.client_ids for j in jobs]),
+                    dropout_seed=first.dropout_seed, overrides=overrides,
+                    autocast=first.autocast, lr=lr, train_mask=mask,
+                    pad_clients=pad_clients)
+
+
+def split_results(results: ClientResults, jobs: list[LocalJob]) -> list[ClientResults]:
+    """The results of a stacked call, one :class:`ClientResults` per job (its own rows and
+    trainable parameters)."""
+    out, start = [], 0
+    for j in jobs:
+        rows = slice(start, start + len(j.client_ids))
+        out.append(ClientResults(
+            params={n: results.params[n][rows] for n in j.trainable},
+            data_loss=results.data_loss[rows], objective=results.objective[rows],
+            first_loss=results.first_loss[rows], grad_norm_first=results.grad_norm_first[rows],
+            grad_norm_last=results.grad_norm_last[rows], steps=results.steps[rows]))
+        start = rows.stop
+    return out
+
+
+def train_jobs(jobs: list[LocalJob], engines: list, stacked_engine=fast.train_fast,
+               pad_clients: int | None = None) -> list[ClientResults]:
+    """Train every job of one round: the stackable ones together, in groups of compatible
+    jobs (one call of ``stacked_engine`` each), the others one by one with their own engine
+    (``engines[i]`` for ``jobs[i]``; ``stacked_engine=None`` stacks nothing)."""
+    results: list[ClientResults | None] = [None] * len(jobs)
+    groups: list[list[int]] = []
+    for i, job in enumerate(jobs):
+        if stacked_engine is None or not stackable(job):
+            results[i] = engines[i](job)
+            continue
+        for g in groups:
+            if compatible(jobs[g[0]], job):
+                g.append(i)
+                break
+        else:
+            groups.append([i])
+    for g in groups:
+        members = [jobs[i] for i in g]
+        if len(members) == 1:  # alone: the plain path, with shared frozen parameters
+            results[g[0]] = stacked_engine(members[0])
+            continue
+        pad = pad_clients if len(groups) == 1 else None
+        for i, r in zip(g, split_results(stacked_engine(stack_jobs(members, pad)), members)):
+            results[i] = r
+    return results

@@ -1,0 +1,186 @@
+"""Stacked groups against runs trained alone, and a killed group resumed.
+
+A group of runs that differ in seed, lr, lr schedule, algorithm (FedAvg, FedFrozen's two
+variants with a T0 branch, FedPart, and SCAFFOLD, which cannot share an engine call and trains
+alone inside the group) must write, for every run, the metrics of that run trained alone:
+every (round, client, metric, stage) row present in both, values within 1e-6 (relative, with
+an absolute floor of 1e-9) in float64. A group killed between a round's rows and its checkpoint
+and resumed must end with every run's metrics.csv byte-identical to the uninterrupted group's.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import REPO, TINY, tiny_config
+
+from real_data.runs import load_data, start_run
+from real_data.stacked_runs import Branch, RunRequest, run_group
+from real_data.stacking import stack_jobs, stackable
+
+BASE = ["train.rounds=4", "partition.num_clients=4", "train.precision=fp64",
+        "train.clients_per_round=3"]
+RUNS = {  # name -> overrides
+    "fedavg": ["algorithm.name=fedavg"],
+    "fedavg_lr": ["algorithm.name=fedavg", "train.lr=0.03", "seed=1",
+                  "train.lr_schedule={kind: step, milestones: [0.5], factor: 0.5}"],
+    "frozen_v_T3": ["algorithm.name=fedfrozen", "algorithm.train=v",
+                    "algorithm.warmup_rounds=3"],
+    "fedpart": ["algorithm.name=fedpart", "seed=2", "algorithm.warmup_rounds=1",
+                "algorithm.rounds_per_group=1", "algorithm.full_rounds_between=0"],
+    "scaffold": ["algorithm.name=scaffold"],
+}
+BRANCH = ("frozen_v_T1", "frozen_v_T3", 1)  # name, parent, T0
+
+
+def _cfg(name: str):
+    if name == BRANCH[0]:
+        return tiny_config(*BASE, *RUNS[BRANCH[1]], f"algorithm.warmup_rounds={BRANCH[2]}")
+    return tiny_config(*BASE, *RUNS[name])
+
+
+def _rows(path) -> dict[tuple, float]:
+    with open(path) as fh:
+        return {(r["round"], r["client"], r["metric"], r.get("stage")): float(r["value"])
+                for r in csv.DictReader(fh)}
+
+
+def _requests(root, resume: bool = False) -> list[RunRequest]:
+    out = []
+    for name in RUNS:
+        run_dir = root / name
+        branches = ()
+        snaps = ()
+        if name == BRANCH[1]:
+            branches = (Branch(BRANCH[2], _cfg(BRANCH[0]), root / BRANCH[0]),)
+            snaps = (BRANCH[2],)
+        out.append(RunRequest(run_dir, _cfg(name), resume and run_dir.exists(), snaps,
+                              branches))
+    return out
+
+
+def test_stacked_group_equals_runs_trained_alone(tmp_path, monkeypatch):
+    from real_data.engines import fast
+
+    calls = []
+    train_fast = fast.train_fast
+    monkeypatch.setattr(fast, "train_fast",
+                        lambda job, **kw: calls.append(len(job.client_ids)) or
+                        train_fast(job, **kw))
+    alone = tmp_path / "alone"
+    for name in RUNS:
+        snaps = (BRANCH[2],) if name == BRANCH[1] else ()
+        start_run(_cfg(name), out=alone / name, snapshot_rounds=snaps)
+    start_run(_cfg(BRANCH[0]), out=alone / BRANCH[0],
+              branch=alone / BRANCH[1] / "checkpoints" / f"round_{BRANCH[2]}.pt")
+    dataset = load_data(_cfg("fedavg"))
+    calls.clear()
+    results = run_group(_requests(tmp_path / "group"), dataset=dataset, log=lambda s: None)
+    # rounds 1: 4 stackable runs of 3 clients in one call; 2-4: the branch joins (5 runs);
+    # SCAFFOLD trains alone (its own 3-client calls)
+    assert calls.count(12) == 1 and calls.count(15) == 3 and calls.count(3) == 4, calls
+    assert sorted(r.run_dir.name for r in results) == sorted([*RUNS, BRANCH[0]])
+    assert all(r.status == "completed" for r in results)
+    for name in [*RUNS, BRANCH[0]]:
+        a, g = _rows(alone / name / "metrics.csv"), _rows(tmp_path / "group" / name /
+                                                          "metrics.csv")
+        assert a.keys() == g.keys(), name
+        bad = {k: (a[k], g[k]) for k in a if abs(a[k] - g[k]) > 1e-6 * abs(a[k]) + 1e-9}
+        assert not bad, (name, list(bad.items())[:5])
+    stages = {k[3] for k in _rows(tmp_path / "group" / BRANCH[0] / "metrics.csv")}
+    assert stages == {"warmup", "frozen"}
+    lrs = {k[0]: v for k, v in _rows(tmp_path / "group" / "fedavg_lr" / "metrics.csv").items()
+           if k[2] == "lr"}
+    assert lrs == {"1": 0.03, "2": 0.03, "3": 0.015, "4": 0.015}
+
+
+def test_stack_jobs_masks_and_rates():
+    """The stacked job carries each run's lr and masks the parameters a run keeps frozen."""
+    from real_data.federation import Federation
+
+    dataset = load_data(_cfg("fedavg"))
+    feds, jobs = [], []
+    for name in ("fedavg", "frozen_v_T3", "fedavg_lr"):
+        cfg = _cfg(name)
+        from real_data.runs import make_partition_for, resolve
+
+        fed = Federation(resolve(cfg, dataset), dataset, make_partition_for(cfg, dataset))
+        state = fed.initial_state()
+        rnd = 4 if name == "frozen_v_T3" else 1  # the frozen stage
+        jobs.append(fed.begin_round(state, rnd).job)
+        feds.append(fed)
+    assert all(stackable(j) for j in jobs) and jobs[0].x is jobs[1].x
+    job = stack_jobs(jobs, pad_clients=12)
+    assert job.lr.tolist() == [0.01] * 3 + [0.01] * 3 + [0.03] * 3
+    qk = [n for n in job.trainable if n.endswith(("attn.q.weight", "attn.k.weight"))]
+    assert qk and all(job.train_mask[n].tolist() == [1] * 3 + [0] * 3 + [1] * 3 for n in qk)
+    assert job.overrides[qk[0]].shape[0] == 9 and job.pad_clients == 12
+    assert torch.equal(job.overrides[qk[0]][3], jobs[1].global_params[qk[0]])
+
+
+_SCRIPT = r"""
+import sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[3])
+from test_stacking import _requests
+from real_data.runs import load_data
+from real_data.stacked_runs import run_group
+from test_stacking import _cfg
+root, kill_round = Path(sys.argv[1]), int(sys.argv[2])
+marker = root.parent / "paused"
+def hook(rnd, run_dir):
+    if kill_round and rnd == kill_round and run_dir.name == "frozen_v_T3":
+        marker.write_text(str(rnd))
+        while True:
+            time.sleep(1)
+run_group(_requests(root, resume=True), dataset=load_data(_cfg("fedavg")), log=print,
+          on_round_end=hook)
+"""
+
+
+def _group_process(root, kill_round: int) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-c", _SCRIPT, str(root), str(kill_round),
+                             str(REPO / "tests" / "real_data")], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_killed_group_resumes_to_identical_metrics(tmp_path):
+    whole = _group_process(tmp_path / "whole" / "runs", 0)
+    assert whole.wait(timeout=600) == 0, whole.stderr.read()[-3000:]
+    root = tmp_path / "killed" / "runs"
+    proc = _group_process(root, 3)
+    marker = root.parent / "paused"
+    deadline = time.time() + 600
+    while not marker.exists():
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.time() < deadline
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (root / "frozen_v_T3" / "summary.json").exists()
+    again = _group_process(root, 0)
+    assert again.wait(timeout=600) == 0, again.stderr.read()[-3000:]
+    for name in [*RUNS, BRANCH[0]]:
+        assert (root / name / "metrics.csv").read_bytes() == \
+            (tmp_path / "whole" / "runs" / name / "metrics.csv").read_bytes(), name
+
+
+@pytest.mark.parametrize("bad", ["train.lr_schedule=weekly",
+                                 "train.lr_schedule={kind: step, milestones: [0.8, 0.4]}",
+                                 "train.lr_schedule={kind: step, milestones: [9]}",
+                                 "train.lr_schedule={kind: step, milestones: [0.5], "
+                                 "factor: 1.5}",
+                                 "train.lr_schedule={kind: cosine, floor: 0.5}"])
+def test_bad_schedules_name_the_key(bad):
+    from linattn.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="train.lr_schedule"):
+        tiny_config(*TINY, *BASE, bad)
