@@ -5,7 +5,7 @@ For the ViT (C B = 500 x 32 samples of 50 tokens, 4 heads of 32) and the charact
 output of the q/k/v GEMM and its bias, as the stacked forward has them:
 
 - ``sdpa``: bias add, then ``scaled_dot_product_attention`` on the strided q, k, v views
-  (cuDNN / flash kernels), what the fast engine ran before;
+  (cuDNN / flash kernels), the fast engine's ``attention="sdpa"`` path;
 - ``tiny``: bias add, then the one-tile Triton kernel on the same views;
 - ``packed``: :func:`~real_data.engines.tiny_attention.qkv_attention` (bias inside the kernel,
   bias gradient out of the backward), at each number of warps per program in ``--warps`` (the

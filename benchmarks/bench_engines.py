@@ -1,8 +1,8 @@
-"""Engine benchmark (issue 7): the vectorized engine against the sequential reference engine,
-in one process on one GPU, on the same rounds.
+"""Engine benchmark: the vectorized engine against the sequential reference engine, in one
+process on one GPU, on the same rounds.
 
-Measured result: see ``docs/results.md`` (section "GPU performance (issue 7)") and the JSON
-under ``docs/bench/``; the numbers are filled in there from the run, with the card named.
+Measured results: ``docs/results/performance.md`` (the tables, each with its card and command)
+and the JSON under ``docs/bench/`` (``docs/bench/NOTES.md`` says what each file measures).
 
 Workloads (random tensors shaped like the real data; no data files needed):
 
@@ -28,9 +28,10 @@ engine costs the same per client whatever the round's size, so by default it is 
 (:func:`real_data.metrics.step_flops`; frozen parameters get no weight gradient) and multiplied by
 the round's steps; effective TFLOP/s = counted FLOPs / median round time.
 
-Usage: ``linattn bench [--clients 10,50,100,500] [--engines fast,vmap,sequential] ...
-[--out docs/bench/engines.json]`` (``--help`` lists everything). The JSON holds the config, the
-device, library versions, the code version, the results and this file's source.
+Usage: ``python benchmarks/bench_engines.py [--clients 10,50,100,500]
+[--engines fast,vmap,sequential] ... [--out docs/bench/engines.json]`` (``--help`` lists
+everything). The JSON holds the config, the device, library versions, the code version, the
+results and this file's source.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ from real_data.models import CharTransformerConfig, ViTConfig, build_model, name
 OPTIMIZER = OptimizerSpec("sgd", lr=0.05, momentum=0.9, clip_grad_norm=5.0)
 ENGINES: dict[str, Callable] = {
     "sequential": train_sequential,
-    "vmap": train_vmap,  # the first vectorized engine (vmap(grad) over stacked clients)
+    "vmap": train_vmap,  # the general vectorized path (vmap(grad) over stacked clients)
     "fast": functools.partial(fast.train_fast, graphs=True),  # what train_vectorized runs
     "fast_eager": functools.partial(fast.train_fast, graphs=False),
     "fast_compile": functools.partial(fast.train_fast, graphs=True, compile=True),
@@ -434,9 +435,9 @@ def _ratio(slow: dict | None, quick: dict) -> str:
 
 
 def render_markdown(data: dict) -> str:
-    """The JSON's results as the markdown table of docs/results.md (one line per cell): the
-    fast engine eager and compiled (``fast_compile``, where timed), the vmap and sequential
-    engines and the fast engine with SDPA attention (``fast_sdpa``, where timed)."""
+    """The JSON's results as the markdown table of docs/results/performance.md (one line per
+    cell): the fast engine eager and compiled (``fast_compile``, where timed), the vmap and
+    sequential engines and the fast engine with SDPA attention (``fast_sdpa``, where timed)."""
     rows = [r for r in data["results"] if "error" not in r]
     by = {(r["model"], r["precision"], r["stage"], r["clients"], r["engine"]): r for r in rows}
     cells = sorted({k[:4] for k in by}, key=lambda k: (k[0] != "vit", k[1] != "bf16",
@@ -488,7 +489,7 @@ def provenance(device: torch.device) -> dict:
 def _parser() -> argparse.ArgumentParser:
     ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
     names = lambda s: [v for v in s.split(",") if v]  # noqa: E731
-    ap = argparse.ArgumentParser(prog="linattn bench", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="bench_engines.py", description=__doc__.split("\n")[0])
     ap.add_argument("--models", type=names, default=list(WORKLOADS))
     ap.add_argument("--precisions", type=names, default=["bf16", "fp32"])
     ap.add_argument("--stages", type=names, default=list(STAGES))
@@ -532,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
         [s for s in args.stages if s not in STAGES] + \
         [p for p in args.precisions if p not in ("bf16", "fp32")]
     if bad:
-        raise UserError(f"linattn bench: unknown {bad}; engines {list(ENGINES)}, models "
+        raise UserError(f"bench_engines.py: unknown {bad}; engines {list(ENGINES)}, models "
                         f"{list(WORKLOADS)}, stages {list(STAGES)}, precisions bf16, fp32")
     if args.render:
         files = [json.loads(p.read_text()) for p in args.render]
@@ -553,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     def write(rows: list[dict], summary: dict | None = None) -> None:
         if not args.out:
             return
-        payload = {"benchmark": "engines (issue 7)", **prov, "config": config,
+        payload = {"benchmark": "engines", **prov, "config": config,
                    "workloads": {k: {**asdict(v), "config": asdict(v.config)}
                                  for k, v in WORKLOADS.items()},
                    "optimizer": asdict(OPTIMIZER), "ceilings": ceilings, "results": rows,

@@ -1,4 +1,4 @@
-"""Peer benchmark (issue 7): one FedAvg workload on linattn and on two peer simulators, side by
+"""Peer benchmark: one FedAvg workload on linattn and on two peer simulators, side by
 side in one command, on the CPU (Flower's clients run in Ray worker processes) or, with
 ``--device cuda``, on a GPU (linattn's engines and pfl; Flower is CPU-only here).
 
@@ -40,9 +40,9 @@ client) each set to ``--threads // --flower-actors`` torch threads (checked from
 actors and recorded as ``actor_threads``).
 
 pfl 0.6.0 (Python 3.10-3.12, ``numpy<3``) is in the ``dev`` extra (``pip install -e ".[dev]"``
-brings it). The CPU measurement in docs/results.md used pfl 0.4.0, which pins ``numpy<2.0``
-against this project's ``numpy>=2.2`` and needs Python < 3.12; it runs on numpy 2.4 unchanged
-when installed without its pins::
+brings it). The CPU measurement in docs/results/performance.md uses pfl 0.4.0, which pins
+``numpy<2.0`` against this project's ``numpy>=2.2`` and needs Python < 3.12; it runs on numpy
+2.4 unchanged when installed without its pins::
 
     pip install --no-deps pfl==0.4.0 multiprocess==0.70.19 dill==0.4.1 dp-accounting==0.5.1 \\
         prv-accountant==0.2.0 absl-py==1.4.0 dm-tree==0.1.10 wrapt
@@ -445,7 +445,7 @@ def run_all(args: argparse.Namespace, log: Callable[[str], None] = print) -> dic
                 finals[r["engine"]], finals["linattn-sequential"])
     from bench_engines import cpu_name, provenance
 
-    return {"benchmark": "peers (issue 7): one FedAvg workload on linattn, Flower, pfl",
+    return {"benchmark": "peers: one FedAvg workload on linattn, Flower, pfl",
             **provenance(torch.device(args.device)),
             "device": (f"GPU: {torch.cuda.get_device_name(args.device)}" if args.device != "cpu"
                        else f"CPU: {cpu_name()}, {os.cpu_count()} cores"),

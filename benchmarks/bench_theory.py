@@ -1,6 +1,6 @@
-"""Benchmark of the analytic module ``linattn_theory`` on one CPU core (issue 2 targets).
+"""Benchmark of the analytic module ``linattn_theory`` on one CPU core, against its targets.
 
-Targets (issue 2): ``recommend_warmup`` under 50 ms for d <= 16 and 20 clients; population
+Targets: ``recommend_warmup`` under 50 ms for d <= 16 and 20 clients; population
 dynamics for 50 T0 values x 500 rounds under 2 s; both on one CPU core. BLAS is limited to one
 thread (OMP/OPENBLAS/MKL_NUM_THREADS=1, set before numpy is imported) and the process is pinned
 to one core. Every row is the median of several repeats after one untimed warm-up call; wall
@@ -8,31 +8,13 @@ time and CPU time (process_time) are both reported, and the target is judged on 
 time. Rows that take a problem build a fresh ``make_problem(...)`` for every call outside the
 timed region (a Problem caches products of its covariances and teachers on first use, so a
 reused one would hide that cost). Each row also records a calibration workload (a fixed
-numpy loop, ``_calibration``) before and after it: this VM's core runs about 1.6-1.8x slower
+numpy loop, ``_calibration``) before and after it: a shared VM's core can run 1.6-1.8x slower
 for seconds at a time (calibration ~0.20 ms when fast, 0.31-0.35 ms when slow, load average
 below 1 either way), which moves every row by the same factor.
 
-Measured on 2026-11-26 (2-core shared AMD EPYC VM, numpy 2.4 with OpenBLAS, Python 3.11;
-docs/bench/theory.json holds the last run, its machine record and calibrations), CPU ms:
-
-- recommend_warmup(WarmupConstants), T = 200: 0.07-0.09 ms -- meets 50 ms.
-- recommend_warmup(problem, lr=0.05, local_steps=5, total_rounds=200), constants estimated
-  with ``fast=True``: d = 8 / 10 clients 19.8-21.1 ms when the core is fast (31-41 ms when
-  slow); d = 16 / 20 clients 36.2-41.8 ms fast -- meets 50 ms -- and 50-68 ms slow, which
-  misses it. Giving phi_star changes little (one L-BFGS solve runs either way, for M_*).
-  Before the speed-up (same machine, same day, one reused problem): 149-165 ms (d = 8) and
-  266-287 ms (d = 16). Where the d = 16 time goes now (cProfile): the 20-round exact warm-up
-  (FedAvg's and the reference's C local copies each, one batch) ~50%; the one-start L-BFGS
-  solve for Phi* ~20% (a third of it scipy's own overhead); the exact Hessians of F and Phi
-  and their 20/20/15 power iterations at two points ~12%; one-round drift probes,
-  frozen-stage maps and zeta ~10%.
-- population_dynamics, 50 T0 x 500 rounds, K = 5: d = 8 / 10 clients 282-320 ms fast
-  (478-610 ms slow); d = 16 / 20 clients 573-693 ms fast (597-1006 ms slow) -- meets 2 s.
-  Before: 852 ms and 2425 ms. ~85% of it is the shared 500-round warm-up.
-- solve_profile (4 restarts): 23-25 ms (d = 8), 39-47 ms (d = 16) fast, up to 45 and 64 ms
-  slow; before 68 and 185 ms.
-- `linattn warmup --heterogeneity 0.5 --local-steps 10 --lr 0.05` as a subprocess:
-  0.16-0.24 s CPU; the bare interpreter takes 0.03-0.05 s.
+Measured results, beside the same rows computed with finite-difference Hessians and per-client
+sums: ``docs/results/performance.md#the-analytic-module``; ``docs/bench/theory.json`` holds the
+run behind that table, its machine record and calibrations.
 
 Usage: python benchmarks/bench_theory.py [--repeats N] [--output docs/bench/theory.json]
 """
@@ -250,7 +232,7 @@ def main() -> int:
     source = Path(__file__).read_text()
     code = source[source.index('"""', 3) + 3:].encode()
     payload = {
-        "benchmark": "linattn_theory (issue 2)",
+        "benchmark": "linattn_theory",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "judged_on": "median CPU seconds (process_time) per call, one core",
         "machine": {**machine, "load_average_end": list(os.getloadavg())

@@ -80,7 +80,7 @@ def write_report(out_dir: Path, result: dict, grid, figures: list[FigureOutput],
     summary = ", ".join(f"{k} {verdict(c).strip('*')}" for k, c in checks.items())
     grid_line = ("the quick grid (`Grid.quick()`: a smoke test; its numbers are not the "
                  "validation's)" if quick else "the default validation grid "
-                 "(`simulations.validate.Grid()`, the grid of docs/results.md)")
+                 "(`simulations.validate.Grid()`, the grid of docs/results/validation.md)")
     load = timing.get("load_average", {})
     parts = [
         "# linattn: the reproduce report", "",
@@ -93,8 +93,9 @@ def write_report(out_dir: Path, result: dict, grid, figures: list[FigureOutput],
         f"Grid: {grid_line}; T = {grid.total_rounds} rounds, {grid.seeds} seeds, "
         f"T0 grid {list(grid.warmup_grid)}.", "",
         f"**Summary: {len(decided) - len(failed)} of {len(decided)} checks pass; "
-        f"{summary}.**" + (f" Refuted: {', '.join(failed)} (see docs/results.md, "
-                           "'Failures and diagnoses')." if failed else ""), "",
+        f"{summary}.**" + (f" Refuted: {', '.join(failed)} (see "
+                           "docs/results/validation.md, 'Failures and diagnoses')."
+                           if failed else ""), "",
         "## Predictions P1-P6", "",
         "Every number below is printed from the dict written to "
         "[`validation/validation.json`](validation/validation.json) by the simulator's own "

@@ -61,7 +61,9 @@ def _warmup_parser() -> argparse.ArgumentParser:
     prob.add_argument("--dynamics", action="store_true",
                       help="with --problem: also run the exact population dynamics and report "
                       "their argmin of R(T0)")
-    ap.add_argument("--regime", choices=("auto", "pl", "nonconvex"), default="auto")
+    ap.add_argument("--regime", choices=("auto", "pl", "nonconvex"), default="auto",
+                    help="which bound's regime gives T0*: pl (Polyak-Lojasiewicz), nonconvex, "
+                         "or auto (the lower minimum)")
     ap.add_argument("--csv", type=Path, help="write the bound's curves (T0, bias, drift, ...)")
     ap.add_argument("--png", type=Path, help="plot the curves (needs matplotlib)")
     ap.add_argument("--json", type=Path, help="write T0*, regime and constants as JSON")

@@ -178,8 +178,8 @@ def hessian_spectrum(problem: Problem, kernel: np.ndarray,
                      value: np.ndarray) -> tuple[float, float]:
     """(largest |eigenvalue|, largest eigenvalue) of the Hessian of F in (M, V).
 
-    The Hessian is the exact :func:`hessian_matrix` (it used to be assembled from central
-    differences of the gradient, which agree with it to about 1e-9 relative).
+    The Hessian is the exact :func:`hessian_matrix` (central differences of the gradient agree
+    with it to about 1e-9 relative).
     """
     eig = np.linalg.eigvalsh(hessian_matrix(problem, kernel, value))
     return float(np.max(np.abs(eig))), float(np.max(eig))

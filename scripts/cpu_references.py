@@ -1,10 +1,10 @@
 """The drift-free reference runs (one client, pooled data) of seeds 0 and 2, on the CPU.
 
-How the 2026-11-26 study record got its missing Fashion-MNIST (softmax) references after the
-GPU time ran out (docs/results.md, issue 9): ``python scripts/cpu_references.py``.
-Same plan config as the GPU study's reference arm plus ``eval.clients=false eval.every=10``
-(evaluation does not touch training, and the 10k-image test pass dominated the CPU round
-time); fp32 on the CPU where the GPU runs use bf16 autocast.
+The main study's Fashion-MNIST (softmax) reference arm at alpha 0.1 for these two seeds comes
+from here (docs/results/real_data_study.md, "The plan, the data files and the commands"):
+``python scripts/cpu_references.py``. Same plan config as the GPU study's reference arm plus
+``eval.clients=false eval.every=10`` (evaluation does not touch training, and the 10k-image
+test pass dominates the CPU round time); fp32 on the CPU where the GPU runs use bf16 autocast.
 """
 
 from real_data import study

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 4's GPU record: fmnist_vit (50 clients, Dirichlet 0.3), 100 rounds of FedAvg and
-# FedFrozen (T0 = 20, both training variants). Usage: bash scripts/gpu_fmnist_runs.sh OUTDIR
+# The one-GPU record of docs/results/real_data_study.md: fmnist_vit (50 clients, Dirichlet
+# 0.3), 100 rounds of FedAvg and FedFrozen (T0 = 20, both training variants). Usage: bash scripts/gpu_fmnist_runs.sh OUTDIR
 # Data: LINATTN_DATA must point at a folder holding fmnist/ (e.g. `linattn data pack fmnist --to .data`).
 set -euo pipefail
 out=${1:?usage: gpu_fmnist_runs.sh OUTDIR}

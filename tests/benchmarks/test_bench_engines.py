@@ -1,4 +1,4 @@
-"""``linattn bench`` (issue 7): the grid runs end to end on tiny workloads and writes its JSON."""
+"""``benchmarks/bench_engines.py``: the grid runs end to end on tiny workloads, writes its JSON."""
 
 from __future__ import annotations
 

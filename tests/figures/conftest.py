@@ -16,7 +16,7 @@ from figure_checks import make_study  # noqa: E402
 
 @pytest.fixture(scope="session")
 def quick_run(tmp_path_factory):
-    """``linattn reproduce --quick --real-data STUDY --out OUT``, once per session."""
+    """``linattn reproduce --quick --real-data STUDY --out OUT``, once per test run."""
     from linattn.cli import main
 
     root = tmp_path_factory.mktemp("reproduce")
@@ -26,6 +26,6 @@ def quick_run(tmp_path_factory):
     try:
         code = main(["reproduce", "--quick", "--out", str(out), "--real-data", str(study)])
     finally:
-        torch.set_num_threads(threads)  # leave the session's setting to the other test folders
+        torch.set_num_threads(threads)  # leave the test run's setting to the other test folders
     assert code == 0
     return {"out": out, "cache": out / ".cache", "study": study}

@@ -1,4 +1,4 @@
-"""Each figure script renders on tiny inputs (the quick grid, read back from the session's
+"""Each figure script renders on tiny inputs (the quick grid, read back from the test run's
 cache; tiny synthetic run directories; generated labels), and what the figures compute agrees
 with the validation numbers it sits beside."""
 

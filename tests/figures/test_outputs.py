@@ -79,7 +79,7 @@ def test_reproduce_files_are_readable_by_others(quick_run):
     umask = os.umask(0o022)
     os.umask(umask)
     if umask != 0o022:
-        pytest.skip(f"the session's umask is {oct(umask)}, not 0o022")
+        pytest.skip(f"the process's umask is {oct(umask)}, not 0o022")
     modes = _modes(quick_run["out"])
     assert "report.md" in modes and "validation/validation.json" in modes
     assert set(modes.values()) == {oct(0o644)}, modes

@@ -82,7 +82,7 @@ def test_report_numbers_equal_the_validation_json(quick_run):
 def test_a_refuted_prediction_is_reported_as_fail(quick_run):
     result = _validation(quick_run)
     failed = [k for k, c in result["checks"].items() if c["pass"] is False]
-    assert "P1" in failed  # docs/results.md: "drift increases" is refuted
+    assert "P1" in failed  # docs/results/validation.md: "drift increases" is refuted
     summary = next(ln for ln in _report(quick_run).splitlines() if ln.startswith("**Summary"))
     for name in failed:
         assert f"{name} FAIL" in summary

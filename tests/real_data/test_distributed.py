@@ -138,7 +138,7 @@ def _torchrun(*args: str) -> list[str]:
 
 
 def _kill_torchrun(proc: subprocess.Popen) -> None:
-    """SIGKILL torchrun's workers (each in its own session) and then torchrun itself."""
+    """SIGKILL torchrun's workers (each in its own process group) and then torchrun itself."""
     workers = [int(pid) for f in Path(f"/proc/{proc.pid}/task").glob("*/children")
                for pid in f.read_text().split()]
     for pid in workers:

@@ -1,19 +1,19 @@
-"""The batched and exact evaluations behind the fast probe (issue 2) against plain references.
+"""The batched and exact evaluations behind the fast probe, against plain references.
 
-``estimate_constants`` and ``population_dynamics`` were sped up by rearranging the same
-closed forms (pooled client sums as stacked products, a Cholesky form of H_m, the frozen-stage
-maps as matrix polynomials, several path points per call) and by replacing central-difference
-Hessian-vector products with the exact Hessian of F (and of Phi, eq. 23a). Each piece is
-checked here against a straightforward version written from the per-client functions:
+``estimate_constants`` and ``population_dynamics`` evaluate the closed forms rearranged for
+speed (pooled client sums as stacked products, a Cholesky form of H_m, the frozen-stage maps as
+matrix polynomials, several path points per call) and take Hessian-vector products from the
+exact Hessian of F (and of Phi, eq. 23a), not from central differences. Each piece is checked
+here against a straightforward version written from the per-client functions:
 
 - pooled H(M), C(M), c(M), F and grad F against weighted sums of ``value_quadratic`` /
   ``local_gradients`` (rel. 1e-12);
 - the exact Hessian of F against central differences of the closed-form gradient (eqs. 7-8),
   d_y = 1 and 2, and the Hessian of Phi against central differences of grad Phi (eq. 11)
   (rel. 1e-6; the differences' own truncation error is ~1e-10);
-- ``hessian_power`` / ``profile_hessian_norm`` against the former definition, the same power
-  iteration (same start vectors, same iteration counts) with central-difference products
-  (rel. 1e-7) -- the iteration budget is unchanged, only the products are exact;
+- ``hessian_power`` / ``profile_hessian_norm`` against the finite-difference definition: the
+  same power iteration (same start vectors, same iteration counts) with central-difference
+  products (rel. 1e-7) -- the iteration budget is the same, only the products differ;
 - ``local_value_maps`` (matrix polynomial, binary powering for K > 8) against the eigenvalue
   formula of eq. (13) (rel. 1e-11), also with lambda = 0;
 - ``frozen_stages`` on a stack against ``frozen_stage`` point by point, and ``one_round`` on a
@@ -153,7 +153,7 @@ def _fd_power(hvp, start, iterations, shift=0.0):
 
 @pytest.mark.parametrize("name", sorted(PROBLEMS))
 def test_power_iterations_match_the_finite_difference_definition(name):
-    """Same starts, same iteration counts as before; only the products are exact now."""
+    """Same starts and iteration counts as the finite-difference definition; exact products."""
     problem = make_problem(**PROBLEMS[name])
     kernel, value = _point(problem)
     d, dy, step = problem.dim, problem.out_dim, 1e-5
