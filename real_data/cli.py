@@ -100,6 +100,9 @@ def _sweep(argv: list[str]) -> int:
                     help="comma list of FedFrozen warm-up lengths T0 (default: the config's)")
     ap.add_argument("--alphas", type=_floats, default=[],
                     help="comma list of Dirichlet alphas (default: the config's partition.alpha)")
+    ap.add_argument("--no-stack", action="store_true",
+                    help="train the runs one after another instead of in stacked groups "
+                    "(same results up to rounding; stacking shares each round's engine call)")
     ap.add_argument("overrides", nargs="*", metavar="key=value",
                     help="dotted config overrides, e.g. train.rounds=50")
     args = ap.parse_args(argv)
@@ -107,7 +110,7 @@ def _sweep(argv: list[str]) -> int:
     from real_data.sweep import run_sweep
 
     results = run_sweep(load_config(args.config, args.overrides), args.out, args.algorithms,
-                        args.seeds, args.warmup_rounds, args.alphas)
+                        args.seeds, args.warmup_rounds, args.alphas, stack=not args.no_stack)
     for r in results:
         print(f"{r.status:9s} {r.run_dir}{_accuracy(r.summary)}")
     return 0 if all(r.status == "completed" for r in results) else 1
@@ -198,6 +201,10 @@ def _study(argv: list[str]) -> int:
     ap.add_argument("--no-tables", action="store_true",
                     help="skip writing the tables (e.g. on a GPU host, before --pack)")
     ap.add_argument("--list", action="store_true", help="list the plan's runs and their status")
+    ap.add_argument("--no-stack", action="store_true",
+                    help="train run groups one after another instead of stacking them "
+                    "(stacked groups share each round's engine call; same results up to "
+                    "rounding)")
     args = ap.parse_args(argv)
     if args.max_runs is not None and args.max_runs < 1:
         raise UserError(f"--max-runs {args.max_runs}: must be >= 1")
@@ -225,7 +232,8 @@ def _study(argv: list[str]) -> int:
                                  pretrain_only=args.pretrain_only, deadline_s=args.deadline,
                                  pending=(args.pending_before
                                           if args.pending_before is not None
-                                          else args.pending))
+                                          else args.pending),
+                                 stack=not args.no_stack)
         print("study:", ", ".join(f"{k} {v}" for k, v in counts.items()))
         if args.pretrain_only:
             return 0

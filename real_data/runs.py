@@ -6,12 +6,18 @@ a directory, so a bad config writes nothing. Each round appends its rows to ``me
 drops rows newer than the checkpoint and continues, so a run killed at any point ends with the
 same ``metrics.csv`` as an uninterrupted one. A non-finite loss stops the run, keeps the last
 good checkpoint and records ``status: diverged`` in ``summary.json``.
+
+A run directory is written by one process at a time: :func:`prepare_start` creates it and
+takes its lock (:mod:`real_data.lock`) at once, :func:`prepare_resume` takes the lock before
+it reads or truncates anything; :meth:`RunLog.close` releases it, and so does any exception
+on the way. A new run whose preparation fails leaves no directory behind. An OS fault while a
+run trains (disk full, read-only file system) leaves ``checkpoints/last.pt`` at the last round
+it was written and no temporary file; the error carries the command that continues the run.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import shutil
 import time
@@ -22,12 +28,15 @@ from pathlib import Path
 import torch
 
 from linattn.configio import load_yaml
-from linattn.errors import ConfigError, UserError
+from linattn.errors import ConfigError, DataError, UserError
 from linattn.fileio import atomic_write_json
 from real_data import rundir
 from real_data.checkpoint import load_checkpoint, restore_rng_states, save_checkpoint
 from real_data.config import Config, config_from_dict, config_to_dict
+from real_data.device import resolve_device
 from real_data.federation import Diverged, Federation, FedState
+from real_data.lock import RunLock
+from real_data.memory import check_memory
 
 RoundHook = Callable[[int, Path], None]
 """``on_round_end(round, run_dir)``: called once a round's rows are in ``metrics.csv`` and
@@ -131,32 +140,37 @@ def prepare_start(cfg: Config, out: Path | None = None, dataset=None, partition=
     dataset = load_data(cfg) if dataset is None else dataset
     partition = make_partition_for(cfg, dataset) if partition is None else partition
     cfg = resolve(cfg, dataset)
+    device = device or resolve_device(cfg.train.device)
+    check_memory(cfg, dataset, partition, device)
     fed = Federation(cfg, dataset, partition, device=device, trainer=trainer)
     _check_output_options(cfg)
-    run_dir = out or _fresh_dir(Path(cfg.run.out_dir) / run_name(cfg, fed))
-    if run_dir.exists():
-        raise UserError(f"run directory {run_dir} already exists; choose another --out")
-    run_dir.mkdir(parents=True)
-    rundir.write_yaml(run_dir / "config.yaml", config_to_dict(cfg))
-    from real_data.data import save_partition
+    run_dir = Path(out) if out else _fresh_dir(Path(cfg.run.out_dir) / run_name(cfg, fed))
+    lock = rundir.create_locked(run_dir)
+    try:
+        rundir.write_yaml(run_dir / "config.yaml", config_to_dict(cfg))
+        from real_data.data import save_partition
 
-    save_partition(partition, run_dir / "partition.npz")
-    if snapshot_rounds:  # remembered, so that a resumed run still keeps them
-        atomic_write_json(run_dir / SNAPSHOTS_FILE, sorted(set(snapshot_rounds)), indent=None)
-    state, elapsed = fed.initial_state(), 0.0
-    if branch is not None:
-        state, extra, _ = load_checkpoint(branch, fed.device)
-        src = branch.parent.parent
-        for name in ("metrics.csv", "timings.csv"):
-            shutil.copy(src / name, run_dir / name)
-            rundir.truncate_rows(run_dir / name, state.round)
-        elapsed = extra.get("elapsed", 0.0)
-    if 0 in snapshot_rounds and state.round == 0:
-        save_checkpoint(run_dir / "checkpoints" / "round_0.pt", state, {"elapsed": 0.0})
-    return Prepared(fed, state, run_dir, elapsed, tuple(snapshot_rounds))
-
-
-SNAPSHOTS_FILE = "snapshot_rounds.json"  # the rounds start_run was asked to keep
+        save_partition(partition, run_dir / "partition.npz")
+        if snapshot_rounds:  # remembered, so that a resumed run still keeps them
+            atomic_write_json(run_dir / rundir.SNAPSHOTS_FILE, sorted(set(snapshot_rounds)),
+                              indent=None)
+        state, elapsed = fed.initial_state(), 0.0
+        if branch is not None:
+            state, extra, _ = load_checkpoint(branch, fed.device)
+            src = branch.parent.parent
+            for name in ("metrics.csv", "timings.csv"):
+                shutil.copy(src / name, run_dir / name)
+                rundir.truncate_rows(run_dir / name, state.round)
+            elapsed = extra.get("elapsed", 0.0)
+        if 0 in snapshot_rounds and state.round == 0:
+            save_checkpoint(run_dir / "checkpoints" / "round_0.pt", state, {"elapsed": 0.0})
+    except BaseException as exc:  # a new run leaves nothing half-written
+        lock.release()
+        shutil.rmtree(run_dir, ignore_errors=True)
+        if isinstance(exc, OSError):
+            exc.add_note(f"nothing was kept of {run_dir}")
+        raise
+    return Prepared(fed, state, run_dir, elapsed, tuple(snapshot_rounds), lock)
 
 
 def resume_run(run_dir: Path, trainer=None, on_round_end: RoundHook | None = None
@@ -173,26 +187,40 @@ def prepare_resume(run_dir: Path, trainer=None, dataset=None,
     """Load a run directory's config, partition and last checkpoint, and drop rows newer than
     the checkpoint (``dataset``: already loaded, for a stacked group)."""
     run_dir = Path(run_dir)
-    if not (run_dir / "config.yaml").exists():
-        raise UserError(f"{run_dir} is not a run directory (no config.yaml)")
+    if not (run_dir / "config.yaml").is_file():
+        raise UserError(f"{run_dir} is not a run directory (no config.yaml); give the folder "
+                        "`linattn run` wrote")
+    lock = RunLock.acquire(run_dir)  # before anything is read, so no writer is mid-round
+    try:
+        return _open_locked(run_dir, lock, trainer, dataset, device)
+    except BaseException:
+        lock.release()
+        raise
 
-    cfg = config_from_dict(load_yaml(run_dir / "config.yaml"))
+
+def _open_locked(run_dir: Path, lock: RunLock, trainer, dataset, device) -> Prepared:
+    saved = run_dir / "config.yaml"
+    cfg = config_from_dict(load_yaml(saved), source=saved)
     dataset = load_data(cfg) if dataset is None else dataset
     from real_data.data import load_partition
 
     partition = load_partition(run_dir / "partition.npz")
+    device = device or resolve_device(cfg.train.device)
+    check_memory(cfg, dataset, partition, device)
     fed = Federation(cfg, dataset, partition, device=device, trainer=trainer)
     ckpt = run_dir / "checkpoints" / "last.pt"
     state, elapsed = fed.initial_state(), 0.0
     if ckpt.exists():
         state, extra, rng = load_checkpoint(ckpt, fed.device)
+        if not 0 <= state.round <= cfg.train.rounds:
+            raise DataError(f"{ckpt}: holds round {state.round}, outside the run's 0.."
+                            f"{cfg.train.rounds}; it belongs to another run: move it away "
+                            "to restart this one from round 0")
         restore_rng_states(rng)
         elapsed = extra.get("elapsed", 0.0)
     for name in ("metrics.csv", "timings.csv"):
         rundir.truncate_rows(run_dir / name, state.round)
-    snapshots = run_dir / SNAPSHOTS_FILE
-    rounds = tuple(json.loads(snapshots.read_text())) if snapshots.is_file() else ()
-    return Prepared(fed, state, run_dir, elapsed, rounds)
+    return Prepared(fed, state, run_dir, elapsed, rundir.read_snapshot_rounds(run_dir), lock)
 
 
 def _check_output_options(cfg: Config) -> None:
@@ -214,6 +242,7 @@ class Prepared:
     run_dir: Path
     elapsed: float
     snapshot_rounds: tuple[int, ...]
+    lock: RunLock | None = None  # the run directory's lock, released by RunLog.close
 
 
 class RunLog:
@@ -239,11 +268,15 @@ class RunLog:
         self.timings = rundir.CsvAppender(run_dir / "timings.csv", "round,seconds\n")
         self.board = _tensorboard(run_dir) if self.cfg.run.tensorboard else None
         self.elapsed = prep.elapsed
+        self.last_round = state.round  # the last round whose rows and checkpoint are written
         self.best = (_best_so_far(run_dir / "metrics.csv")
                      if self.cfg.run.progress and state.round else (float("-inf"), 0))
         self.bar = tqdm(total=self.cfg.train.rounds, initial=state.round,
                         desc=run_dir.name[:40], disable=not self.cfg.run.progress, leave=True,
                         position=position)
+        # the round checkpoints/last.pt holds (None: not written yet, e.g. a new run)
+        self.saved_round = state.round if (run_dir / "checkpoints" / "last.pt").is_file() \
+            else None
 
     def record(self, rnd: int, stage: str, state: FedState, records: list,
                seconds: float) -> None:
@@ -261,9 +294,11 @@ class RunLog:
         if rnd % cfg.run.checkpoint_every == 0 or rnd == cfg.train.rounds:
             save_checkpoint(run_dir / "checkpoints" / "last.pt", state,
                             {"elapsed": self.elapsed})
+            self.saved_round = rnd
         if rnd in self.prep.snapshot_rounds:
             save_checkpoint(run_dir / "checkpoints" / f"round_{rnd}.pt", state,
                             {"elapsed": self.elapsed})
+        self.last_round = rnd
         # progress: the last and the best test accuracy so far
         self.bar.update(1)
         acc = next((v for r, c, k, v in records if c == "global" and k == "test_acc"), None)
@@ -274,39 +309,74 @@ class RunLog:
         else:
             self.bar.set_postfix({"stage": stage})
 
+    def diverged_message(self, exc: Diverged) -> str:
+        """What a diverged run's summary says: the round, and the checkpoint that exists."""
+        t = self.cfg.train
+        if self.saved_round is None:
+            return (f"{exc}; no checkpoint was written before it; lower train.lr (now {t.lr:g}) "
+                    "or set train.clip_grad_norm")
+        return f"{exc}; last good checkpoint: round {self.saved_round}"
+
     def close(self, state: FedState, status: str, message: str) -> RunResult:
-        """Close the progress bar and TensorBoard, write ``summary.json`` and the plot."""
+        """Close the progress bar and TensorBoard, write ``summary.json`` and the plot, and
+        release the run directory's lock."""
+        try:
+            self.bar.close()
+            if self.board is not None:
+                self.board.close()
+            return _finish(self.prep.fed, state, self.prep.run_dir, self.elapsed, status,
+                           message)
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Release the run directory's lock (also on an exception; idempotent)."""
         self.bar.close()
-        if self.board is not None:
-            self.board.close()
-        return _finish(self.prep.fed, state, self.prep.run_dir, self.elapsed, status, message)
+        if self.prep.lock is not None:
+            self.prep.lock.release()
 
 
 def train_prepared(prep: Prepared, on_round_end: RoundHook | None = None) -> RunResult:
-    """Train a prepared run alone, round by round, to its last round."""
+    """Train a prepared run alone, round by round, to its last round; the run directory's
+    lock is released at the end, whatever happens."""
+    try:
+        result = _train(prep, on_round_end)
+    except OSError as exc:  # disk full, read-only: last.pt stays at its last written round
+        exc.add_note(f"once fixed, continue with `linattn run --resume {prep.run_dir}`")
+        raise
+    finally:
+        if prep.lock is not None:
+            prep.lock.release()
+    if prep.fed.device.type == "cuda":
+        release_device_caches()
+    return result
+
+
+def _train(prep: Prepared, on_round_end: RoundHook | None) -> RunResult:
     fed, state = prep.fed, prep.state
     log = RunLog(prep, on_round_end)
     status, message = "completed", ""
     if fed.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(fed.device)
-    for rnd in range(state.round + 1, fed.cfg.train.rounds + 1):
-        # 1. one round; on NaN keep the last good checkpoint and stop. plan_round depends only
-        #    on (round, server state), so this is the plan run_round follows
-        stage = fed.algorithm.plan_round(rnd, state.server_state).stage
-        t_start = time.perf_counter()
-        try:
-            state, records = fed.run_round(state, rnd)
-        except Diverged as exc:
-            status, message = "diverged", f"{exc}; last good checkpoint: round {state.round}"
-            break
-        if fed.device.type == "cuda":
-            torch.cuda.synchronize(fed.device)
-        # 2. rows first, then the checkpoint
-        log.record(rnd, stage, state, records, time.perf_counter() - t_start)
-    result = log.close(state, status, message)
-    if fed.device.type == "cuda":
-        release_device_caches()
-    return result
+    try:
+        for rnd in range(state.round + 1, fed.cfg.train.rounds + 1):
+            # 1. one round; on NaN keep the last good checkpoint and stop. plan_round depends
+            #    only on (round, server state), so this is the plan run_round follows
+            stage = fed.algorithm.plan_round(rnd, state.server_state).stage
+            t_start = time.perf_counter()
+            try:
+                state, records = fed.run_round(state, rnd)
+            except Diverged as exc:
+                status, message = "diverged", log.diverged_message(exc)
+                break
+            if fed.device.type == "cuda":
+                torch.cuda.synchronize(fed.device)
+            # 2. rows first, then the checkpoint
+            log.record(rnd, stage, state, records, time.perf_counter() - t_start)
+    except BaseException:
+        log.release()
+        raise
+    return log.close(state, status, message)
 
 
 def release_device_caches() -> None:

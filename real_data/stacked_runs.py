@@ -48,25 +48,29 @@ from real_data.stacking import train_jobs
 
 @dataclass(frozen=True)
 class Branch:
-    """A T0 branch: ``cfg`` started at ``run_dir`` from the parent's snapshot of round
-    ``warmup_rounds``."""
+    """A T0 branch: ``cfg`` started at ``run_dir`` (``None``: named after its settings under
+    ``run.out_dir``) from the parent's snapshot of round ``warmup_rounds``; ``label`` comes
+    back with its result."""
 
     warmup_rounds: int
     cfg: Config
-    run_dir: Path
+    run_dir: Path | None
+    label: object = None
 
 
 @dataclass(frozen=True)
 class RunRequest:
-    """One run of a group: a new run (``cfg``) or one to resume (``resume=True``), with the
-    rounds to snapshot and the branches to fork from those snapshots."""
+    """One run of a group: a new run (``cfg``; ``run_dir=None`` names it after its settings)
+    or one to resume (``resume=True``), with the rounds to snapshot, the branches to fork from
+    those snapshots, and a ``label`` that comes back with its result."""
 
-    run_dir: Path
+    run_dir: Path | None
     cfg: Config | None = None
     resume: bool = False
     snapshot_rounds: tuple[int, ...] = ()
     branches: tuple[Branch, ...] = ()
     partition: object = None
+    label: object = None
 
 
 @dataclass
@@ -75,6 +79,7 @@ class _Member:
     log: RunLog | None
     branches: dict[int, list[Branch]] = field(default_factory=dict)
     running: bool = True
+    label: object = None
 
     @property
     def fed(self):
@@ -92,21 +97,40 @@ def stack_key(cfg: Config) -> tuple:
 
 def run_group(requests: list[RunRequest], dataset=None, device: torch.device | None = None,
               log: Callable[[str], None] = print,
-              on_round_end: RoundHook | None = None) -> list[RunResult]:
+              on_round_end: RoundHook | None = None,
+              on_error: Callable[[object, Exception], None] | None = None
+              ) -> list[tuple[object, RunResult]]:
     """Train the runs of ``requests`` (and their branches) as one stacked group.
 
     ``dataset``: loaded once by the caller and shared by every run (one copy on the device).
     ``on_round_end(round, run_dir)``: as in :func:`~real_data.runs.start_run`, for every run.
-    Returns the results of every run and branch, in the order they finished.
+    ``on_error(label, exception)``: a run whose preparation, server update or files fail is
+    reported here and leaves the group while the others go on (without it, the error
+    propagates); a user error (a bad config or file) always propagates.
+    Returns ``(label, result)`` of every run and branch trained here, in the order they
+    finished (a request or branch finished before the call returns nothing).
     """
+    def guarded(label, fn, *args):
+        if on_error is None:
+            return fn(*args)
+        try:
+            return fn(*args)
+        except UserError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one broken run leaves, the others go on
+            on_error(label, exc)
+            return None
+
     members, now = [], []
     for r in requests:
-        member, ready = _member(r, dataset, device, on_round_end)
-        members.append(member)
-        now += [(member, b) for b in ready]
-    results: list[RunResult] = []
-    members += [b for m, br in now if (b := _branch(m, br, dataset, device, log,
-                                                     on_round_end)) is not None]
+        got = guarded(r.label if r.label is not None else r.run_dir, _member, r, dataset,
+                      device, on_round_end)
+        if got is not None:
+            members.append(got[0])
+            now += [(got[0], b) for b in got[1]]
+    results: list[tuple[object, RunResult]] = []
+    members += [b for m, br in now if (b := guarded(br.label, _branch, m, br, dataset, device,
+                                                     log, on_round_end)) is not None]
     pad = sum(_clients(m) * (1 + sum(len(v) for v in m.branches.values()))
               for m in members if m.running)
     engine = members[0].fed.cfg.train.engine if members else "vectorized"
@@ -144,22 +168,31 @@ def run_group(requests: list[RunRequest], dataset=None, device: torch.device | N
             try:
                 state, records = m.fed.finish_round(m.prep.state, rnd, work, res)
             except Diverged as exc:
-                results.append(_close(m, "diverged", f"{exc}; last good checkpoint: round "
-                                      f"{m.prep.state.round}"))
+                last = m.prep.state.round
+                results.append(_close(m, "diverged", f"{exc}; " + (
+                    f"last good checkpoint: round {last}" if last else "no round completed")))
                 continue
             own = seconds * len(work.ids) / total_clients + time.perf_counter() - t_run
             m.prep = dataclasses.replace(m.prep, state=state)
-            m.log.record(rnd, work.plan.stage, state, records, own)
+            if guarded(m.label, m.log.record, rnd, work.plan.stage, state, records,
+                       own) is None and on_error is not None and not _recorded(m, rnd):
+                m.running = False
+                continue
             if rnd >= m.fed.cfg.train.rounds:
                 results.append(_close(m, "completed", ""))
             # 4. branches fork from the snapshot just written
             for b in m.branches.pop(rnd, []):
-                branch = _branch(m, b, dataset, device, log, on_round_end)
+                branch = guarded(b.label, _branch, m, b, dataset, device, log, on_round_end)
                 if branch is not None:
                     members.append(branch)
     if cuda:
         release_device_caches()
     return results
+
+
+def _recorded(m: _Member, rnd: int) -> bool:
+    """Whether the run's log wrote round ``rnd`` (``RunLog.record`` returns nothing)."""
+    return m.log.last_round == rnd
 
 
 def _clients(m: _Member) -> int:
@@ -184,29 +217,127 @@ def _member(req: RunRequest, dataset, device, hook) -> tuple[_Member, list[Branc
                             f"round of {req.run_dir}")
         branches.setdefault(b.warmup_rounds, []).append(b)
     done = prep.state.round
-    finished = done >= prep.fed.cfg.train.rounds and (req.run_dir / "summary.json").is_file()
+    finished = done >= prep.fed.cfg.train.rounds and (prep.run_dir / "summary.json").is_file()
     member = _Member(prep, None if finished else RunLog(prep, hook),
-                     {t0: bs for t0, bs in branches.items() if t0 > done}, not finished)
+                     {t0: bs for t0, bs in branches.items() if t0 > done}, not finished,
+                     req.label)
     return member, [b for t0, bs in branches.items() if t0 <= done for b in bs]
 
 
 def _branch(parent: _Member, b: Branch, dataset, device, log, hook) -> _Member | None:
     """The member of a T0 branch: forked from the parent's snapshot, or resumed where a killed
     group left it (``None`` when it is complete)."""
+    snap = parent.prep.run_dir / "checkpoints" / f"round_{b.warmup_rounds}.pt"
+    if b.run_dir is None:
+        if not snap.is_file():
+            log(f"no snapshot {snap} (the parent stopped before it): branch not run")
+            return None
+        prep = prepare_start(b.cfg, dataset=dataset, partition=parent.fed.partition,
+                             branch=snap, device=device)
+        return _Member(prep, RunLog(prep, hook), {}, label=b.label)
     if (b.run_dir / "summary.json").is_file():
+        return None
+    if not snap.is_file() and not (b.run_dir / "checkpoints" / "last.pt").is_file():
+        log(f"no snapshot for {b.run_dir} ({snap.name} missing: the parent stopped before "
+            "it): not run")
         return None
     if (b.run_dir / "checkpoints" / "last.pt").is_file():
         prep = prepare_resume(b.run_dir, dataset=dataset, device=device)
     else:
         if b.run_dir.exists():  # created but killed before its first checkpoint
             shutil.rmtree(b.run_dir)
-        snap = parent.prep.run_dir / "checkpoints" / f"round_{b.warmup_rounds}.pt"
         log(f"branch {b.run_dir} from {snap.name}")
         prep = prepare_start(b.cfg, out=b.run_dir, dataset=dataset,
                              partition=parent.fed.partition, branch=snap, device=device)
-    return _Member(prep, RunLog(prep, hook), {})
+    return _Member(prep, RunLog(prep, hook), {}, label=b.label)
 
 
-def _close(m: _Member, status: str, message: str) -> RunResult:
+def _close(m: _Member, status: str, message: str) -> tuple[object, RunResult]:
     m.running = False
-    return m.log.close(m.prep.state, status, message)
+    return m.label, m.log.close(m.prep.state, status, message)
+
+
+def estimate_run_bytes(cfg: Config, num_params: int) -> int:
+    """Device memory one run adds to a stacked group, in bytes (an upper estimate).
+
+    Per client of a round: its start values, trainable copy, gradient and optimizer state
+    (``(C, P)`` each, 4 + 1 momentum or 2 Adam buffers); per run: the global model, a
+    checkpoint copy and the algorithm's per-client state (as large as the model per client,
+    for SCAFFOLD).
+    """
+    t = cfg.train
+    width = 8 if t.precision == "fp64" else 4
+    buffers = 4 + (2 if t.optimizer == "adam" else 1 if t.momentum else 0)
+    clients = t.clients_per_round or cfg.partition.num_clients
+    per_run = 3 + (cfg.partition.num_clients if cfg.algorithm.name == "scaffold" else 0)
+    return width * num_params * (clients * buffers + per_run)
+
+
+def plan_groups(requests: list[RunRequest], num_params: Callable[[Config], int],
+                free_bytes: int, max_runs: int = 64,
+                fraction: float = 0.5) -> list[list[RunRequest]]:
+    """Split ``requests`` into stacked groups: runs of one :func:`stack_key` together (in
+    order), each group's runs (branches counted) within ``fraction`` of ``free_bytes`` and at
+    most ``max_runs``. A run that cannot fit alone is a :class:`UserError` naming it."""
+    groups: dict[tuple, list[list[RunRequest]]] = {}
+    budget = fraction * free_bytes
+    for r in requests:
+        cfg = r.cfg if r.cfg is not None else _saved_config(r.run_dir)
+        need = estimate_run_bytes(cfg, num_params(cfg)) * (1 + len(r.branches))
+        if need > budget:
+            raise UserError(f"run {r.run_dir} needs about {need / 2**30:.2f} GiB in a group "
+                            f"({1 + len(r.branches)} runs with its branches), more than "
+                            f"{budget / 2**30:.2f} GiB available; lower "
+                            "train.clients_per_round or use a larger device")
+        chunks = groups.setdefault(stack_key(cfg), [[]])
+        last = chunks[-1]
+        used = sum(estimate_run_bytes(c := q.cfg if q.cfg is not None else
+                                      _saved_config(q.run_dir), num_params(c))
+                   * (1 + len(q.branches)) for q in last)
+        runs = sum(1 + len(q.branches) for q in last)
+        if last and (used + need > budget or runs + 1 + len(r.branches) > max_runs):
+            chunks.append([])
+        chunks[-1].append(r)
+    return [c for chunks in groups.values() for c in chunks if c]
+
+
+def _saved_config(run_dir: Path) -> Config:
+    from linattn.configio import load_yaml
+    from real_data.config import config_from_dict
+
+    return config_from_dict(load_yaml(run_dir / "config.yaml"))
+
+
+def free_bytes(device: torch.device) -> int:
+    """Memory a group may use on ``device``: free CUDA memory, or available host memory."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    import os
+
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def group_for_device(requests: list[RunRequest], dataset,
+                     max_runs: int = 64) -> list[list[RunRequest]]:
+    """:func:`plan_groups` sized by a probe of the first run's model and its device."""
+    from real_data.device import resolve_device
+    from real_data.models import build_model, complete_model_config
+
+    if not requests:
+        return []
+    counts: dict[str, int] = {}
+
+    def num_params(cfg: Config) -> int:
+        key = repr((cfg.model.name, cfg.model.params))
+        if key not in counts:
+            mcfg = complete_model_config(cfg.model.name, cfg.model.params, dataset.input_shape,
+                                         dataset.num_classes)
+            counts[key] = sum(p.numel() for p in build_model(cfg.model.name, mcfg, 0)
+                              .parameters())
+        return counts[key]
+
+    first = requests[0].cfg if requests[0].cfg is not None else _saved_config(
+        requests[0].run_dir)
+    return plan_groups(requests, num_params, free_bytes(resolve_device(first.train.device)),
+                       max_runs)

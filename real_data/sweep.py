@@ -16,6 +16,7 @@ from real_data import rundir
 from real_data.algorithms import get_algorithm
 from real_data.config import Config, Named, build_dataclass
 from real_data.runs import RunResult, load_data, make_partition_for, start_run
+from real_data.stacked_runs import Branch, RunRequest, group_for_device, run_group
 
 
 def _algorithm_section(cfg: Config, name: str, warmup_rounds: int | None) -> Named:
@@ -50,8 +51,13 @@ def plan_sweep(cfg: Config, algorithms, seeds, warmup_rounds, alphas) -> list[di
 
 
 def run_sweep(cfg: Config, out: Path, algorithms=(), seeds=(), warmup_rounds=(),
-              alphas=()) -> list[RunResult]:
-    """Run the grid; writes one run directory per point and ``out/sweep.csv``."""
+              alphas=(), stack: bool = True) -> list[RunResult]:
+    """Run the grid; writes one run directory per point and ``out/sweep.csv``.
+
+    ``stack``: train the grid's runs together in stacked groups
+    (:mod:`real_data.stacked_runs`; the same results, one engine call per round for all of a
+    group's clients); ``False`` trains one run after another.
+    """
     plan = plan_sweep(cfg, list(algorithms), list(seeds), list(warmup_rounds), list(alphas))
     dataset = load_data(cfg)
     partitions = {}
@@ -64,6 +70,28 @@ def run_sweep(cfg: Config, out: Path, algorithms=(), seeds=(), warmup_rounds=(),
     index = rundir.CsvAppender(out / "sweep.csv", "run_dir,algorithm,seed,alpha,warmup_rounds,"
                                "status,final_test_acc,best_test_acc\n")
     results = []
+    if stack:
+        requests = []
+        for i, item in enumerate(plan):
+            c, t0s = item["cfg"], item["t0s"]
+            c = dataclasses.replace(c, run=dataclasses.replace(c.run, out_dir=str(out)))
+            branches = tuple(
+                Branch(t0, dataclasses.replace(c, algorithm=_algorithm_section(c, "fedfrozen",
+                                                                               t0)),
+                       None, (i, t0)) for t0 in t0s[1:])
+            requests.append(RunRequest(None, c, False, tuple(t for t in t0s if t is not None),
+                                       branches, partitions[(item["alpha"], item["seed"])],
+                                       (i, t0s[0])))
+        done = {}
+        for group in group_for_device(requests, dataset):
+            done.update(dict(run_group(group, dataset=dataset)))
+        for i, item in enumerate(plan):
+            for t0 in item["t0s"]:
+                if (i, t0) in done:
+                    res = done[(i, t0)]
+                    _index(index, res, item, t0)
+                    results.append(res)
+        return results
     for item in plan:
         c, t0s = item["cfg"], item["t0s"]
         c = dataclasses.replace(c, run=dataclasses.replace(c.run, out_dir=str(out)))
@@ -76,10 +104,13 @@ def run_sweep(cfg: Config, out: Path, algorithms=(), seeds=(), warmup_rounds=(),
             snap = first.run_dir / "checkpoints" / f"round_{t0}.pt"
             done.append((t0, start_run(ct, dataset=dataset, partition=part, branch=snap)))
         for t0, res in done:
-            s = res.summary
-            index.append([(res.run_dir.name, item["algorithm"], item["seed"], item["alpha"],
-                           "" if t0 is None else t0, res.status,
-                           s["final"].get("test_acc", ""),
-                           s["best"].get("test_acc", {}).get("value", ""))])
+            _index(index, res, item, t0)
             results.append(res)
     return results
+
+
+def _index(index, res: RunResult, item: dict, t0) -> None:
+    s = res.summary
+    index.append([(res.run_dir.name, item["algorithm"], item["seed"], item["alpha"],
+                   "" if t0 is None else t0, res.status, s["final"].get("test_acc", ""),
+                   s["best"].get("test_acc", {}).get("value", ""))])

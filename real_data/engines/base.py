@@ -138,8 +138,7 @@ class BatchPlanner:
     """:func:`make_batches` with a round drawn ahead on a CPU thread.
 
     Drawing a plan is per-client Python (one seeded generator and a few permutations per
-    client: 15-25 ms for 500 clients on the H200 machine's CPU, about 50 ms on a 2-core one),
-    during which the GPU would sit idle.
+    client), during which the GPU would sit idle.
     :meth:`prefetch` draws a later round's plans on a background thread while the GPU trains
     the current one (call it once the round's work is queued: the thread holds the GIL, which
     the launches need); :meth:`plan` returns exactly what :func:`make_batches` returns (the draws

@@ -92,7 +92,7 @@ def _allow_recompiles(limit: int = 256) -> None:
     ``_Runner._apply`` and ``_Runner._account`` for its own chunk size, trainable set and
     model; past the limit dynamo would silently run them eagerly."""
     cfg = torch._dynamo.config
-    for name in ("recompile_limit", "cache_size_limit"):  # the name changed in torch 2.6
+    for name in ("recompile_limit", "cache_size_limit"):  # torch >= 2.6: recompile_limit
         if hasattr(cfg, name) and getattr(cfg, name) < limit:
             setattr(cfg, name, limit)
 

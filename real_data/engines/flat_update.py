@@ -3,10 +3,9 @@
 After the backward of a local step every client's gradient sits in one tensor per parameter
 (``(Cc, *shape)``), while parameters and momentum live in flat ``(Cc, P)`` buffers. The step
 needs each client's gradient norm before it can clip, so the generic path concatenates the
-gradients into a ``(Cc, P)`` copy, reduces it and updates from it; compiled, that was a
-concatenation kernel and one row-wise reduction-and-update kernel, 2.4 ms per step of a
-500-client ViT round on an H200, about 1.5 times the time the step's 6.5 GB take at the card's
-measured copy rate (4.2 TB/s).
+gradients into a ``(Cc, P)`` copy, reduces it and updates from it (compiled: a concatenation
+kernel and one row-wise reduction-and-update kernel). The kernels here spare that copy; their
+cost against it is in docs/bench/NOTES.md (``v3_steps/6_variants_*.json``).
 
 Here the gradients are read where they are, through a table of their addresses:
 

@@ -34,8 +34,8 @@ def train_vectorized(job: LocalJob) -> ClientResults:
 def train_vectorized_compiled(job: LocalJob) -> ClientResults:
     """As :func:`train_vectorized`, with the stacked forward and loss ``torch.compile``d.
 
-    Compiles once per chunk shape (tens of seconds on the first round), then runs about 1.6x
-    faster on an H200 (ViT bf16, 500 clients: 839 -> 527 ms per round, docs/results.md).
+    Compiles once per chunk shape (tens of seconds, in the first round); compiled against
+    eager per card: docs/results/performance.md (docs/bench/engines.json).
     """
     if fast.supports(job):
         return fast.train_fast(job, compile=True)

@@ -150,7 +150,8 @@ def run_status(run_dir: Path) -> str:
 def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int | None = None,
               budget_s: float | None = None, log=print,
               shard: tuple[int, int] | None = None, pretrain_only: bool = False,
-              deadline_s: float | None = None, pending: bool | float = False) -> dict:
+              deadline_s: float | None = None, pending: bool | float = False,
+              stack: bool = True, stack_runs: int = 64) -> dict:
     """Run what is missing, resume what was interrupted; returns counts by outcome (a run
     that fails is logged and counted under ``failed``; the others go on).
 
@@ -169,6 +170,9 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
     later and a shorter one tried.
     With ``pretrain_only`` and ``shard=(k, n)``, the k-th of every n pretraining jobs the
     whole selection needs is run (one process per GPU pretrains side by side).
+    ``stack``: T0 families that share a model architecture and optimizer train together in
+    stacked groups of at most ``stack_runs`` runs (:mod:`real_data.stacked_runs`); budget and
+    deadline then apply per stacked group.
     """
 
     patterns = [pattern] if isinstance(pattern, str) else list(pattern or [])
@@ -208,7 +212,9 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
               "diverged": 0, "failed": 0}
     start, done = time.perf_counter(), 0
     spent, cost_done = 0.0, 0.0  # seconds and rounds of the groups run here (for deadline_s)
-    for members in todo:
+    batches = _stack_batches(todo, stack_runs) if stack else [[g] for g in todo]
+    for batch in batches:
+        members = [m for family in batch for m in family]
         now = time.perf_counter() - start
         finished = frozenset(m.key for m in members if run_status(m.run_dir) in FINAL)
         todo_here = len(finished) < len(members)
@@ -223,7 +229,10 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
             continue
         t_group = time.perf_counter()
         try:
-            _run_group(members, counts, log)
+            if stack:
+                _run_stacked(batch, counts, log)
+            else:
+                _run_group(members, counts, log)
         except UserError:
             raise  # a mistake in the plan or its files (exit 2), not a broken run
         except Exception as exc:  # one broken run must not stop a worker's whole shard
@@ -232,8 +241,79 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
         if todo_here:
             spent += time.perf_counter() - t_group
             cost_done += cost
-        done += 1
+        done += len(batch)
     return counts
+
+
+def _stack_batches(families: list[list[RunSpec]], max_runs: int) -> list[list[list[RunSpec]]]:
+    """Consecutive T0 families of one stack key, at most ``max_runs`` runs a batch."""
+    from real_data.stacked_runs import stack_key
+
+    batches: list[list[list[RunSpec]]] = []
+    keys: list[tuple] = []
+    for family in families:
+        key = stack_key(run_config(family[0], family[0].warmup_rounds))
+        for i in range(len(batches)):
+            if keys[i] == key and sum(map(len, batches[i])) + len(family) <= max_runs:
+                batches[i].append(family)
+                break
+        else:
+            batches.append([family])
+            keys.append(key)
+    return batches
+
+
+def _run_stacked(batch: list[list[RunSpec]], counts: dict, log) -> None:
+    """T0 families trained as one stacked group: each head started, resumed or (finished)
+    kept for its snapshots; each unfinished branch forked inside the group."""
+    from real_data.runs import load_data
+    from real_data.stacked_runs import Branch, RunRequest, run_group
+
+    requests, dataset = [], None
+    for family in batch:
+        head = family[0]
+        cfg = run_config(head, head.warmup_rounds)
+        dataset = dataset or load_data(cfg)
+        t0s = head.arm.warmup_rounds
+        if head.arm.reference:
+            t0s = tuple(sorted({t for a in head.sweep.arms for t in a.warmup_rounds}))
+        status = head_status = run_status(head.run_dir)
+        resume = status in FINAL or (status == "partial" and
+                                     (head.run_dir / "checkpoints" / "last.pt").is_file())
+        if status in FINAL:
+            counts["skipped" if status == "completed" else "diverged"] += 1
+        elif resume:
+            log(f"resume {head.key}")
+            counts["resumed"] += 1
+        else:
+            if status == "partial":  # created but killed before its first checkpoint
+                shutil.rmtree(head.run_dir)
+            log(f"start  {head.key}")
+            head.run_dir.parent.mkdir(parents=True, exist_ok=True)
+            counts["started"] += 1
+        branches = []
+        for m in family[1:]:
+            status = run_status(m.run_dir)
+            if status in FINAL:
+                counts["skipped" if status == "completed" else "diverged"] += 1
+                continue
+            m.run_dir.parent.mkdir(parents=True, exist_ok=True)
+            branches.append(Branch(m.warmup_rounds, run_config(m, m.warmup_rounds), m.run_dir,
+                                   m.key))
+            counts["branched"] += 1
+        if head_status in FINAL and not branches:
+            continue  # nothing of this family left to train
+        requests.append(RunRequest(head.run_dir, cfg, resume,
+                                   tuple(t for t in t0s if t is not None), tuple(branches),
+                                   label=head.key))
+    def failed(label, exc: Exception) -> None:  # that run leaves the group, the others go on
+        counts["failed"] += 1
+        log(f"FAILED {label}: {type(exc).__name__}: {exc}")
+
+    if requests:
+        for _, result in run_group(requests, dataset=dataset, log=log, on_error=failed):
+            if result.status == "diverged":
+                counts["diverged"] += 1
 
 
 def _run_group(members: list[RunSpec], counts: dict, log) -> None:

@@ -86,8 +86,8 @@ def test_stacked_group_equals_runs_trained_alone(tmp_path, monkeypatch):
     # rounds 1: 4 stackable runs of 3 clients in one call; 2-4: the branch joins (5 runs);
     # SCAFFOLD trains alone (its own 3-client calls)
     assert calls.count(12) == 1 and calls.count(15) == 3 and calls.count(3) == 4, calls
-    assert sorted(r.run_dir.name for r in results) == sorted([*RUNS, BRANCH[0]])
-    assert all(r.status == "completed" for r in results)
+    assert sorted(r.run_dir.name for _, r in results) == sorted([*RUNS, BRANCH[0]])
+    assert all(r.status == "completed" for _, r in results)
     for name in [*RUNS, BRANCH[0]]:
         a, g = _rows(alone / name / "metrics.csv"), _rows(tmp_path / "group" / name /
                                                           "metrics.csv")
@@ -184,3 +184,24 @@ def test_bad_schedules_name_the_key(bad):
 
     with pytest.raises(ConfigError, match="train.lr_schedule"):
         tiny_config(*TINY, *BASE, bad)
+
+
+def test_stacked_sweep_equals_the_sweep_run_by_run(tmp_path):
+    """``linattn sweep`` stacks by default; in float64 its runs equal the unstacked sweep's."""
+    from real_data.sweep import run_sweep
+
+    cfg = tiny_config(*BASE, "algorithm.warmup_rounds=1")
+    kw = dict(algorithms=["fedavg", "fedfrozen"], warmup_rounds=[1, 3], seeds=[0, 1])
+    alone = run_sweep(cfg, tmp_path / "alone", stack=False, **kw)
+    stacked = run_sweep(cfg, tmp_path / "stacked", **kw)
+    assert [r.run_dir.name for r in stacked] == [r.run_dir.name for r in alone]
+    assert len(stacked) == 6 and all(r.status == "completed" for r in stacked)
+    for a, s in zip(alone, stacked):
+        ra, rs = _rows(a.run_dir / "metrics.csv"), _rows(s.run_dir / "metrics.csv")
+        assert ra.keys() == rs.keys()
+        assert all(abs(ra[k] - rs[k]) <= 1e-6 * abs(ra[k]) + 1e-9 for k in ra), a.run_dir.name
+    def index(folder):  # run, algorithm, seed, alpha, T0, status of each row
+        lines = (tmp_path / folder / "sweep.csv").read_text().splitlines()[1:]
+        return [line.split(",")[:6] for line in lines]
+
+    assert len(index("stacked")) == 6 and index("stacked") == index("alone")

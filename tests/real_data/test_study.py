@@ -244,7 +244,7 @@ def test_a_failing_run_is_counted_and_the_others_go_on(tmp_path, monkeypatch):
 
     monkeypatch.setattr(real_data.runs, "start_run", start)
     lines = []
-    counts = study.run_study(plan, log=lines.append)
+    counts = study.run_study(plan, log=lines.append, stack=False)
     assert counts["failed"] == 1 and counts["started"] == 2 and counts["branched"] == 1
     assert any("FAILED digits/fedavg" in line and "simulated crash" in line for line in lines)
     assert study._status(study.plan_runs(plan)[3].run_dir) == "completed"
@@ -283,7 +283,7 @@ def test_deadline_leaves_groups_that_would_not_fit(tmp_path):
     data["seeds"] = [0, 1]
     plan = _plan(tmp_path, data)
     # after the first group the pace is known; a deadline of ~0 s leaves every other group
-    counts = study.run_study(plan, deadline_s=1e-9, log=lambda *_: None)
+    counts = study.run_study(plan, deadline_s=1e-9, log=lambda *_: None, stack=False)
     done = sum(study._status(s.run_dir) == "completed" for s in study.plan_runs(plan))
     assert counts["started"] == 1 and counts["left"] == len(study.plan_runs(plan)) - done
 
@@ -374,3 +374,22 @@ def test_pending_before_freezes_what_counts_as_finished(tmp_path):
     assert (late["started"], late["skipped"]) == (0, 1)
     other = study.run_study(plan, shard=(1, 2), pending=launch, log=lambda *_: None)
     assert (other["started"], other["skipped"]) == (1, 0)
+
+
+def test_a_failing_run_leaves_its_stacked_group_and_the_others_go_on(tmp_path, monkeypatch):
+    import real_data.stacked_runs
+
+    plan = _plan(tmp_path)
+    real_start = real_data.stacked_runs.prepare_start
+
+    def start(cfg, out=None, **kw):
+        if "fedavg" in str(out):
+            raise RuntimeError("simulated crash")
+        return real_start(cfg, out=out, **kw)
+
+    monkeypatch.setattr(real_data.stacked_runs, "prepare_start", start)
+    lines = []
+    counts = study.run_study(plan, log=lines.append)
+    assert counts["failed"] == 1 and counts["started"] == 3 and counts["branched"] == 1
+    assert any("FAILED digits/fedavg" in line and "simulated crash" in line for line in lines)
+    assert [study._status(s.run_dir) for s in study.plan_runs(plan)].count("completed") == 3
