@@ -205,3 +205,37 @@ def test_stacked_sweep_equals_the_sweep_run_by_run(tmp_path):
         return [line.split(",")[:6] for line in lines]
 
     assert len(index("stacked")) == 6 and index("stacked") == index("alone")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_stacked_round_on_the_gpu_in_bf16_agrees_with_runs_alone(tmp_path):
+    """One round in bf16 on CUDA (CUDA graphs, FlatSGD where no mask): each run's stacked
+    result agrees with its run alone to the GPU agreement tests' tolerance (update within 5e-2
+    relative, loss within 2e-2)."""
+    from real_data.federation import Federation
+    from real_data.runs import make_partition_for, resolve
+    from real_data.stacking import train_jobs
+
+    gpu = ["train.precision=bf16", "train.device=cuda", "train.rounds=4",
+           "partition.num_clients=6", "train.clients_per_round=4"]
+    names = {"fedavg": ["algorithm.name=fedavg"],
+             "frozen_v": ["algorithm.name=fedfrozen", "algorithm.train=v",
+                          "algorithm.warmup_rounds=0"],
+             "lr": ["algorithm.name=fedavg", "train.lr=0.03", "seed=1"]}
+    dataset = load_data(tiny_config(*gpu))
+    feds = []
+    for over in names.values():
+        cfg = resolve(tiny_config(*gpu, *over), dataset)
+        feds.append(Federation(cfg, dataset, make_partition_for(cfg, dataset)))
+    states = [f.initial_state() for f in feds]
+    works = [f.begin_round(s, 1) for f, s in zip(feds, states)]
+    stacked = train_jobs([w.job for w in works], [f.engine for f in feds])
+    for f, s, got in zip(feds, states, stacked):
+        alone = f.train_job(f.begin_round(s, 1).job)
+        for n in got.params:
+            delta = (got.params[n] - s.global_params[n]).double()
+            ref = (alone.params[n] - s.global_params[n]).double()
+            err = float((delta - ref).norm() / ref.norm().clamp(min=1e-12))
+            assert err < 5e-2, (n, err)
+        assert torch.allclose(got.data_loss, alone.data_loss, rtol=2e-2)
