@@ -206,10 +206,21 @@ class Federation:
                                                  t.clients_per_round), rnd)
 
     def finish_round(self, state: FedState, rnd: int, work: RoundWork,
-                     trained: TrainedRound | ClientResults) -> tuple[FedState, list[Record]]:
+                     trained: TrainedRound | ClientResults,
+                     evaluator=None) -> tuple[FedState, list[Record]]:
         """3-5. The server update, the round's diagnostics and evaluation, from the clients'
-        results (``ClientResults`` of this process, or a trainer's :class:`TrainedRound`)."""
-        cfg, algo, t = self.cfg, self.algorithm, self.cfg.train
+        results (``ClientResults`` of this process, or a trainer's :class:`TrainedRound`).
+
+        ``evaluator(new_state) -> (loss, hit)``: the global model's per-sample test loss and
+        accuracy computed elsewhere (a stacked group evaluates its runs in one pass)."""
+        new_state, pending = self.update_round(state, rnd, work, trained)
+        return new_state, self.round_records(new_state, pending, evaluator)
+
+    def update_round(self, state: FedState, rnd: int, work: RoundWork,
+                     trained: TrainedRound | ClientResults) -> tuple[FedState, tuple]:
+        """3-4. The server update and the round's diagnostics (the first part of
+        :meth:`finish_round`); returns the new state and what :meth:`round_records` needs."""
+        algo, t = self.algorithm, self.cfg.train
         if isinstance(trained, ClientResults):
             trained = TrainedRound(trained, work.weights)
         ids, plan, weights = work.ids, work.plan, work.weights
@@ -256,14 +267,19 @@ class Federation:
         new_state = FedState(rnd, new_params, state.client_state, state.server_state,
                              float(results.grad_norm_last.mean()), plateau)
         g["lr"] = work.lr
-        # 5. evaluation
-        if rnd % cfg.eval.every == 0 or rnd == t.rounds:
-            g_eval, per_client = self.evaluate(new_state)
+        return new_state, (rnd, g, records, update.metrics)
+
+    def round_records(self, new_state: FedState, pending: tuple,
+                      evaluator=None) -> list[Record]:
+        """5. The evaluation, and every record of the round (the second part of
+        :meth:`finish_round`)."""
+        rnd, g, records, extra = pending
+        if self.evaluates(rnd):
+            g_eval, per_client = self.evaluate(new_state, evaluator)
             g.update(g_eval)
             records += [(rnd, str(m), "local_test_acc", a) for m, a in per_client.items()]
-        g.update(update.metrics)
-        records += [(rnd, "global", k, v) for k, v in sorted(g.items())]
-        return new_state, records
+        g.update(extra)
+        return records + [(rnd, "global", k, v) for k, v in sorted(g.items())]
 
     def train_clients(self, state: FedState, rnd: int, plan, ids: np.ndarray):
         """Local training of the clients ``ids`` in round ``rnd`` here (-> ClientResults)."""
@@ -304,15 +320,24 @@ class Federation:
     def _dropout(self) -> float:
         return float(getattr(self.cfg.model.params, "dropout", 0.0))
 
-    def evaluate(self, state: FedState) -> tuple[dict[str, float], dict[int, float]]:
-        """Global test loss/accuracy and every client's local test accuracy."""
+    def evaluates(self, rnd: int) -> bool:
+        """Whether round ``rnd`` ends with an evaluation (``eval.every``, and the last)."""
+        return rnd % self.cfg.eval.every == 0 or rnd == self.cfg.train.rounds
+
+    def evaluate(self, state: FedState, evaluator=None
+                 ) -> tuple[dict[str, float], dict[int, float]]:
+        """Global test loss/accuracy and every client's local test accuracy (``evaluator``:
+        see :meth:`finish_round`)."""
         algo, bs = self.algorithm, self.cfg.eval.batch_size
 
         def fwd(params):
             return lambda xb: algo.forward(self.model, params, xb)
 
-        loss, hit = evaluate(fwd(state.global_params), self.x_test, self.y_test, bs,
-                             self.autocast)
+        if evaluator is None:
+            loss, hit = evaluate(fwd(state.global_params), self.x_test, self.y_test, bs,
+                                 self.autocast)
+        else:
+            loss, hit = evaluator(state)
         out = {"test_loss": float(loss.mean()), "test_acc": float(hit.mean())}
         per_client: dict[int, float] = {}
         if self.cfg.eval.clients:

@@ -51,6 +51,45 @@ def evaluate(
     return torch.cat(losses), torch.cat(correct)
 
 
+@torch.no_grad()
+def evaluate_stacked(
+    model: torch.nn.Module,
+    params: dict[str, torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    batch_size: int,
+    autocast: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`evaluate` of R models at once: ``params`` holds every parameter as ``(R, ...)``
+    (stacked runs' global models), each model sees every test sample; returns ``(R, N)``
+    float64 per-sample loss and accuracy. One stacked forward per minibatch of ``batch_size``
+    samples per model (at most 65535 rows in all, the attention kernel's grid) replaces R
+    forwards."""
+    from real_data.engines.stacked import stacked_forward
+
+    r = next(iter(params.values())).shape[0]
+    step = max(1, min(batch_size, 65535 // r))
+    names = frozenset(params)
+    losses, correct = [], []
+    for start in range(0, len(x), step):
+        xb, yb = x[start:start + step], y[start:start + step]
+        ctx = (torch.autocast(x.device.type, dtype=autocast) if autocast
+               else contextlib.nullcontext())
+        with ctx:
+            logits = stacked_forward(model, params, names,
+                                     xb.unsqueeze(0).expand(r, *xb.shape))
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        yr = yb.unsqueeze(0).expand(r, *yb.shape)
+        lv = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), yr.reshape(-1),
+                             reduction="none").reshape(yr.shape)
+        hit = (logits.argmax(-1) == yr).to(torch.float64)
+        if yb.dim() > 1:  # text: mean over positions
+            lv, hit = lv.mean(dim=2), hit.mean(dim=2)
+        losses.append(lv.double())
+        correct.append(hit)
+    return torch.cat(losses, dim=1), torch.cat(correct, dim=1)
+
+
 def worst_fraction_mean(values: np.ndarray, fraction: float = 0.1) -> float:
     """Mean of the lowest ``fraction`` of values (at least one)."""
     k = max(1, int(np.floor(fraction * len(values))))

@@ -162,17 +162,29 @@ def run_group(requests: list[RunRequest], dataset=None, device: torch.device | N
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t_start
         total_clients = sum(len(w.ids) for _, _, w in works)
-        # 3. each run's server update, evaluation and files
+        # 3. each run's server update; the evaluations in one stacked pass; each run's files
+        updated = []
         for (m, rnd, work), res in zip(works, trained):
             t_run = time.perf_counter()
             try:
-                state, records = m.fed.finish_round(m.prep.state, rnd, work, res)
+                state, pending = m.fed.update_round(m.prep.state, rnd, work, res)
             except Diverged as exc:
                 last = m.prep.state.round
                 results.append(_close(m, "diverged", f"{exc}; " + (
                     f"last good checkpoint: round {last}" if last else "no round completed")))
                 continue
-            own = seconds * len(work.ids) / total_clients + time.perf_counter() - t_run
+            updated.append((m, rnd, work, state, pending, time.perf_counter() - t_run))
+        t_eval = time.perf_counter()
+        evaluated = evaluate_group([(m.fed, state) for m, rnd, _, state, _, _ in updated
+                                    if m.fed.evaluates(rnd)])
+        share = (time.perf_counter() - t_eval) / max(len(evaluated), 1)
+        for m, rnd, work, state, pending, t_own in updated:
+            t_run = time.perf_counter()
+            hits = evaluated.get(id(m.fed))
+            records = m.fed.round_records(state, pending,
+                                          None if hits is None else (lambda s, h=hits: h))
+            own = (seconds * len(work.ids) / total_clients + t_own
+                   + (share if hits is not None else 0.0) + time.perf_counter() - t_run)
             m.prep = dataclasses.replace(m.prep, state=state)
             if guarded(m.label, m.log.record, rnd, work.plan.stage, state, records,
                        own) is None and on_error is not None and not _recorded(m, rnd):
@@ -188,6 +200,35 @@ def run_group(requests: list[RunRequest], dataset=None, device: torch.device | N
     if cuda:
         release_device_caches()
     return results
+
+
+def evaluate_group(items: list[tuple]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Per-sample test loss and accuracy of several runs' global models, one stacked forward
+    per minibatch for the runs that share a model, a test set and the plain forward
+    (``{id(federation): (loss, hit)}``); the others are left to their own evaluation."""
+    from real_data.algorithms.base import Algorithm
+    from real_data.engines.stacked import supports
+    from real_data.metrics import evaluate_stacked
+
+    groups: dict[tuple, list[tuple]] = {}
+    for fed, state in items:
+        if not (type(fed.algorithm).forward is Algorithm.forward and supports(fed.model)):
+            continue
+        key = (id(fed.x_test), type(fed.model), repr(fed.cfg.model.params), fed.autocast,
+               fed.cfg.eval.batch_size)
+        groups.setdefault(key, []).append((fed, state))
+    out = {}
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        fed0 = members[0][0]
+        params = {n: torch.stack([s.global_params[n] for _, s in members])
+                  for n in members[0][1].global_params}
+        loss, hit = evaluate_stacked(fed0.model, params, fed0.x_test, fed0.y_test,
+                                     fed0.cfg.eval.batch_size, fed0.autocast)
+        for i, (fed, _) in enumerate(members):
+            out[id(fed)] = (loss[i], hit[i])
+    return out
 
 
 def _recorded(m: _Member, rnd: int) -> bool:

@@ -209,15 +209,16 @@ def test_stacked_sweep_equals_the_sweep_run_by_run(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_stacked_round_on_the_gpu_in_bf16_agrees_with_runs_alone(tmp_path):
-    """One round in bf16 on CUDA (CUDA graphs, FlatSGD where no mask): each run's stacked
-    result agrees with its run alone to the GPU agreement tests' tolerance (update within 5e-2
-    relative, loss within 2e-2)."""
+def test_stacked_round_on_the_gpu_agrees_with_runs_alone(tmp_path):
+    """One round in fp32 on CUDA (CUDA graphs; alone, FlatSGD's Triton update reads each
+    client's lr; stacked, the masked update): each run's stacked update equals its run alone
+    within 1e-4 relative, its loss within 1e-5. (bf16 agreement over whole runs:
+    benchmarks/bench_stacking.py.)"""
     from real_data.federation import Federation
     from real_data.runs import make_partition_for, resolve
     from real_data.stacking import train_jobs
 
-    gpu = ["train.precision=bf16", "train.device=cuda", "train.rounds=4",
+    gpu = ["train.precision=fp32", "train.device=cuda", "train.rounds=4",
            "partition.num_clients=6", "train.clients_per_round=4"]
     names = {"fedavg": ["algorithm.name=fedavg"],
              "frozen_v": ["algorithm.name=fedfrozen", "algorithm.train=v",
@@ -237,5 +238,5 @@ def test_stacked_round_on_the_gpu_in_bf16_agrees_with_runs_alone(tmp_path):
             delta = (got.params[n] - s.global_params[n]).double()
             ref = (alone.params[n] - s.global_params[n]).double()
             err = float((delta - ref).norm() / ref.norm().clamp(min=1e-12))
-            assert err < 5e-2, (n, err)
-        assert torch.allclose(got.data_loss, alone.data_loss, rtol=2e-2)
+            assert err < 1e-4, (n, err)
+        assert torch.allclose(got.data_loss, alone.data_loss, rtol=1e-5)
