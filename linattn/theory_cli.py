@@ -11,6 +11,7 @@ import argparse
 import csv
 import io
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -71,7 +72,8 @@ def _warmup_parser() -> argparse.ArgumentParser:
 
 
 def load_problem_file(path: Path):
-    """Read a problem file (YAML or JSON) into a Problem; errors name the file."""
+    """Read a problem file (YAML or JSON) into (Problem, schedule mapping); every error names
+    the file and the key."""
     if not path.is_file():
         raise ParameterError(f"problem file {path} does not exist; give a YAML or JSON file")
     try:
@@ -79,11 +81,39 @@ def load_problem_file(path: Path):
     except ConfigError as exc:
         raise ParameterError(f"cannot parse problem file: {exc}") from None
     if not isinstance(data, dict):
-        raise ParameterError(f"problem file {path} must hold a mapping")
+        raise ParameterError(f"problem file {path} must hold a mapping (make_problem: {{...}} "
+                             "or the arrays dim, out_dim, context_length, weights, ...)")
+    schedule = data.get("schedule", {})
     try:
-        return Problem.from_dict(data), data.get("schedule", {})
+        if not isinstance(schedule, dict):
+            raise ParameterError(f"schedule={schedule!r} must be a mapping (lr, local_steps, "
+                                 "total_rounds, init_seed)")
+        return Problem.from_dict(data), schedule
+    except ParameterError as exc:
+        raise ParameterError(f"problem file {path}: {exc}") from None
     except TypeError as exc:
-        raise ParameterError(f"problem file {path}: {exc}") from exc
+        raise ParameterError(f"problem file {path}: {exc}") from None
+
+
+def _schedule_value(value, key: str, kind: type, low: float, source: str):
+    """A schedule value from a flag or the problem file's ``schedule`` mapping, checked."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and \
+        math.isfinite(value) and value >= low and (kind is float or float(value).is_integer())
+    if kind is float and value == 0:
+        ok = False
+    if not ok:
+        allowed = "a finite number > 0" if kind is float else f"an integer >= {int(low)}"
+        raise ParameterError(f"{source}{key}={value!r} is not allowed; {key} must be {allowed}")
+    return kind(value)
+
+
+def _check_outputs(args) -> None:
+    """Refuse an output path that is a folder before anything is computed."""
+    for flag in ("csv", "json", "png"):
+        path = getattr(args, flag, None)
+        if path is not None and path.is_dir():
+            raise ParameterError(f"--{flag} {path} is a folder; give a file name, e.g. "
+                                 f"{path / ('warmup.' + flag)}")
 
 
 def _constants_from_args(args):
@@ -108,16 +138,27 @@ def _constants_from_args(args):
 
 def warmup_main(argv: list[str]) -> int:
     args = _warmup_parser().parse_args(argv)
+    _check_outputs(args)
+    if args.total_rounds is not None:
+        _schedule_value(args.total_rounds, "total-rounds", int, 1, "--")
     dynamics = None
     if args.problem is not None:
         problem, schedule = load_problem_file(args.problem)
         lr = args.lr if args.lr is not None else schedule.get("lr")
         steps = args.local_steps if args.local_steps is not None else schedule.get("local_steps")
-        total = args.total_rounds or schedule.get("total_rounds", DEFAULTS["total_rounds"])
+        total = args.total_rounds if args.total_rounds is not None else \
+            schedule.get("total_rounds", DEFAULTS["total_rounds"])
         if lr is None or steps is None:
             raise ParameterError("with --problem give --lr and --local-steps (or a 'schedule' "
                                  "mapping with lr and local_steps in the file)")
-        start = initial_point(problem, seed=int(schedule.get("init_seed", 0)))
+        where = f"problem file {args.problem}: schedule."
+        lr = _schedule_value(lr, "lr", float, 0, "--" if args.lr is not None else where)
+        steps = _schedule_value(steps, *(("local-steps", int, 1, "--") if args.local_steps
+                                         is not None else ("local_steps", int, 1, where)))
+        total = _schedule_value(total, *(("total-rounds", int, 1, "--") if args.total_rounds
+                                         is not None else ("total_rounds", int, 1, where)))
+        seed = _schedule_value(schedule.get("init_seed", 0), "init_seed", int, 0, where)
+        start = initial_point(problem, seed=seed)
         measured = estimate_constants(problem, float(lr), int(steps), int(total), start=start)
         constants, assumed = measured.warmup_constants(), {}
         if args.dynamics:
@@ -167,8 +208,11 @@ def theory_main(argv: list[str]) -> int:
     ap.add_argument("--local-steps", type=int, required=True)
     ap.add_argument("--total-rounds", type=int, default=DEFAULTS["total_rounds"])
     args = ap.parse_args(argv)
+    lr = _schedule_value(args.lr, "lr", float, 0, "--")
+    steps = _schedule_value(args.local_steps, "local-steps", int, 1, "--")
+    total = _schedule_value(args.total_rounds, "total-rounds", int, 1, "--")
     problem, _ = load_problem_file(args.problem)
-    c = estimate_constants(problem, args.lr, args.local_steps, args.total_rounds)
+    c = estimate_constants(problem, lr, steps, total)
     print(json.dumps(c.to_dict(), indent=2))
     return 0
 

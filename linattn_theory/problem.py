@@ -99,6 +99,7 @@ class Problem:
         c = w.size
         require(bool(np.all(w > 0)) and abs(w.sum() - 1.0) < 1e-9, "weights", w,
                 "positive and summing to 1")
+        require(bool(np.all(np.isfinite(w))), "weights", w, "finite")
         for name, arr, shape in (
             ("covariances", self.covariances, (c, d, d)),
             ("kernel_teachers", self.kernel_teachers, (c, d, d)),
@@ -109,6 +110,11 @@ class Problem:
                     f"{name} has shape {np.shape(arr)}; expected {shape} "
                     f"(clients={c}, dim={d}, out_dim={dy})"
                 )
+            bad = np.argwhere(~np.isfinite(np.asarray(arr, dtype=np.float64)))
+            if bad.size:
+                raise ParameterError(f"{name}[{', '.join(str(int(i)) for i in bad[0])}] is "
+                                     f"{np.asarray(arr)[tuple(bad[0])]}; every entry of {name} "
+                                     "must be a finite number")
         cov = np.asarray(self.covariances, dtype=np.float64)
         require(np.allclose(cov, np.swapaxes(cov, 1, 2), atol=1e-10), "covariances",
                 "non-symmetric", "symmetric positive definite")
@@ -172,8 +178,19 @@ class Problem:
 
     @classmethod
     def from_dict(cls, data: dict) -> Problem:
+        """A problem from a mapping: explicit arrays (as :meth:`to_dict` writes) or
+        ``{make_problem: {...}}`` with :func:`make_problem`'s arguments. Every error names the
+        key."""
         if "make_problem" in data:
-            return make_problem(**data["make_problem"])
+            args = data["make_problem"]
+            if not isinstance(args, dict):
+                raise ParameterError(f"make_problem={args!r} must be a mapping of make_problem() "
+                                     "arguments (dim, num_clients, ...)")
+            unknown = sorted(set(args) - set(_MAKE_PROBLEM_ARGS))
+            if unknown:
+                raise ParameterError(f"unknown key make_problem.{unknown[0]}; valid: "
+                                     f"{', '.join(_MAKE_PROBLEM_ARGS)}")
+            return make_problem(**args)
         keys = ("dim", "out_dim", "context_length", "weights", "covariances", "kernel_teachers",
                 "value_teachers")
         missing = [k for k in keys if k not in data]
@@ -182,19 +199,47 @@ class Problem:
                 f"problem description lacks {missing}; give all of {list(keys)} "
                 "or a 'make_problem' mapping of make_problem() arguments"
             )
+        knobs = data.get("knobs", {})
+        require(isinstance(knobs, dict), "knobs", knobs, "a mapping")
         return cls(
-            dim=int(data["dim"]),
-            out_dim=int(data["out_dim"]),
-            context_length=int(data["context_length"]),
-            weights=np.asarray(data["weights"], dtype=np.float64),
-            covariances=np.asarray(data["covariances"], dtype=np.float64),
-            kernel_teachers=np.asarray(data["kernel_teachers"], dtype=np.float64),
-            value_teachers=np.asarray(data["value_teachers"], dtype=np.float64),
-            ridge=float(data.get("ridge", 1e-2)),
-            kernel_ridge=float(data.get("kernel_ridge", data.get("ridge", 1e-2))),
-            noise=float(data.get("noise", 0.1)),
-            knobs=dict(data.get("knobs", {})),
+            dim=_integer(data, "dim"),
+            out_dim=_integer(data, "out_dim"),
+            context_length=_integer(data, "context_length"),
+            weights=_array(data, "weights"),
+            covariances=_array(data, "covariances"),
+            kernel_teachers=_array(data, "kernel_teachers"),
+            value_teachers=_array(data, "value_teachers"),
+            ridge=_number(data, "ridge", 1e-2),
+            kernel_ridge=_number(data, "kernel_ridge", _number(data, "ridge", 1e-2)),
+            noise=_number(data, "noise", 0.1),
+            knobs=dict(knobs),
         )
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float | np.number) and not isinstance(value, bool)
+
+
+def _integer(data: dict, key: str) -> int:
+    value = data[key]
+    require(isinstance(value, int | np.integer) and not isinstance(value, bool), key, value,
+            "an integer >= 1")
+    return int(value)
+
+
+def _number(data: dict, key: str, default: float) -> float:
+    value = data.get(key, default)
+    require(_is_number(value) and np.isfinite(value), key, value, "a finite number >= 0")
+    return float(value)
+
+
+def _array(data: dict, key: str) -> np.ndarray:
+    try:
+        return np.asarray(data[key], dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ParameterError(f"{key} is not an array of numbers (ragged rows, or entries that "
+                             "are not numbers); give a nested list of numbers of equal "
+                             "lengths") from None
 
 
 def _centered(rng: np.random.Generator, weights: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -246,7 +291,15 @@ def make_problem(
     for name, val in (("kernel_heterogeneity", kernel_heterogeneity),
                       ("value_heterogeneity", value_heterogeneity),
                       ("covariate_shift", covariate_shift)):
-        require(np.isfinite(val) and val >= 0, name, val, ">= 0 (0 is the i.i.d. case)")
+        require(_is_number(val) and np.isfinite(val) and val >= 0, name, val,
+                ">= 0 (0 is the i.i.d. case)")
+    require(isinstance(out_dim, int | np.integer) and out_dim >= 1, "out_dim", out_dim,
+            "an integer >= 1")
+    require(isinstance(seed, int | np.integer) and not isinstance(seed, bool) and seed >= 0,
+            "seed", seed, "an integer >= 0")
+    for name, val in (("ridge", ridge), ("noise", noise), ("kernel_ridge", kernel_ridge)):
+        require(val is None and name == "kernel_ridge" or _is_number(val) and np.isfinite(val)
+                and val >= 0, name, val, ">= 0 and finite")
     rng = np.random.default_rng(seed)
     if isinstance(weights, str):
         if weights == "uniform":
@@ -256,9 +309,9 @@ def make_problem(
         else:
             raise ParameterError(f"weights={weights!r}; allowed: 'uniform', 'random' or an array")
     else:
-        p = np.asarray(weights, dtype=np.float64)
+        p = _array({"weights": weights}, "weights")
         require(p.shape == (num_clients,), "weights", p.shape, f"shape ({num_clients},)")
-        require(bool(np.all(p > 0)), "weights", p, "positive")
+        require(bool(np.all(np.isfinite(p) & (p > 0))), "weights", p, "positive and finite")
         p = p / p.sum()
     m_star = rng.standard_normal((dim, dim)) / np.sqrt(dim)
     v_star = rng.standard_normal((dim, out_dim)) / np.sqrt(dim)
@@ -287,3 +340,8 @@ def make_problem(
             "weights": weights if isinstance(weights, str) else "array",
         },
     )
+
+
+_MAKE_PROBLEM_ARGS = ("dim", "num_clients", "context_length", "out_dim", "kernel_heterogeneity",
+                      "value_heterogeneity", "covariate_shift", "ridge", "kernel_ridge", "noise",
+                      "weights", "seed")

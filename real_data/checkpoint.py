@@ -2,7 +2,10 @@
 
 The run's randomness is derived from (seed, round, client) so resuming does not need the RNG
 states; they are saved (and restored) anyway so that any code drawing from a global generator
-resumes identically as well. Files are written atomically (temporary file, then rename).
+resumes identically as well. Files are written atomically (temporary file, then rename): a
+write that fails (disk full, read-only file system) leaves the previous file as it was and no
+temporary file, and raises an ``OSError`` naming the checkpoint. A file that is not one of our
+checkpoints (truncated, garbage, another program's) raises :class:`DataError` naming it.
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from linattn.errors import DataError
 from linattn.fileio import atomic_path
 from real_data.federation import FedState
+from real_data.rundir import naming
 
 
 def rng_states() -> dict:
@@ -45,8 +50,16 @@ def save_checkpoint(path: Path, state: FedState, extra: dict) -> None:
                "prev_grad_norm_last": state.prev_grad_norm_last, "plateau": state.plateau,
                "rng": rng_states(),
                "extra": extra}
-    with atomic_path(path) as tmp:
-        torch.save(payload, tmp)
+    # through a file object: a failed write raises the OSError (ENOSPC, EROFS, ...) rather
+    # than torch's RuntimeError from its own writer
+    with naming(path), atomic_path(path) as tmp, open(tmp, "wb") as fh:
+        torch.save(payload, fh)
+
+
+_KEYS = {"round", "global_params", "client_state", "server_state", "prev_grad_norm_last",
+         "rng", "extra"}
+_CORRUPT_FIX = ("move it away to restart the run from round 0, or copy a good "
+                "checkpoints/round_<t>.pt over it")
 
 
 def load_checkpoint(path: Path, device: torch.device) -> tuple[FedState, dict, dict]:
@@ -55,7 +68,16 @@ def load_checkpoint(path: Path, device: torch.device) -> tuple[FedState, dict, d
     Everything (modules in a server state too, e.g. FedTP's hypernetwork) goes to ``device``;
     :func:`restore_rng_states` takes the generator states wherever they were loaded.
     """
-    payload = torch.load(path, map_location=device, weights_only=False)
+    with open(path, "rb") as fh:  # a missing or unreadable file: the OSError names it
+        try:
+            payload = torch.load(fh, map_location=device, weights_only=False)
+        except Exception as exc:  # noqa: BLE001 - truncated zip, garbage, a foreign pickle
+            first = (str(exc).strip().splitlines() or [""])[0][:120]
+            raise DataError(f"{path}: not a readable checkpoint ({type(exc).__name__}: {first}); "
+                            f"{_CORRUPT_FIX}") from None
+    if not (isinstance(payload, dict) and _KEYS <= set(payload)):
+        raise DataError(f"{path}: not a linattn checkpoint (no {', '.join(sorted(_KEYS))}); "
+                        f"{_CORRUPT_FIX}")
     state = FedState(payload["round"], payload["global_params"], payload["client_state"],
                      payload["server_state"], payload["prev_grad_norm_last"],
                      payload.get("plateau"))

@@ -19,8 +19,6 @@ Example YAML::
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -31,6 +29,7 @@ from linattn.configio import load_yaml, parse_overrides
 from linattn.errors import ConfigError
 from linattn_theory.errors import ParameterError
 from linattn_theory.schedules import LRSchedule, schedule_from_dict
+from real_data.schema import build_dataclass, check_name, check_value
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
@@ -43,6 +42,13 @@ class SeedsConfig:
     sampling: int | None = None
     training: int | None = None
 
+    def __post_init__(self) -> None:
+        for role in ("partition", "sampling", "training"):
+            value = getattr(self, role)
+            if value is not None and value < 0:
+                raise ConfigError(f"seeds.{role}={value} must be >= 0 or null (derived from "
+                                  "seed)")
+
 
 @dataclass(frozen=True)
 class DataConfig:
@@ -53,6 +59,14 @@ class DataConfig:
     train_limit: int | None = None
     test_limit: int | None = None
     seq_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ConfigError("data.name must name a data set (e.g. digits)")
+        for key in ("train_limit", "test_limit", "seq_len"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ConfigError(f"data.{key}={value} must be >= 1 or null")
 
 
 @dataclass(frozen=True)
@@ -151,6 +165,8 @@ class EvalConfig:
     def __post_init__(self) -> None:
         if self.every < 1:
             raise ConfigError(f"eval.every={self.every} must be >= 1")
+        if self.batch_size < 1:
+            raise ConfigError(f"eval.batch_size={self.batch_size} must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -166,6 +182,8 @@ class OutputConfig:
     def __post_init__(self) -> None:
         if self.checkpoint_every < 1:
             raise ConfigError(f"run.checkpoint_every={self.checkpoint_every} must be >= 1")
+        if not self.out_dir or "\0" in self.out_dir:
+            raise ConfigError(f"run.out_dir={self.out_dir!r} must be a folder name")
 
 
 @dataclass(frozen=True)
@@ -200,82 +218,34 @@ class Config:
         return int(np.random.SeedSequence([self.seed, index]).generate_state(1)[0])
 
 
-# -- type checking ----------------------------------------------------------------------------
-def _describe(tp) -> str:
-    if typing.get_origin(tp) is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        return " or ".join(_describe(a) for a in typing.get_args(tp))
-    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
-
-
-def _check(value: Any, tp, key: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        if value in typing.get_args(tp) and isinstance(value, type(typing.get_args(tp)[0])):
-            return value
-    elif origin in (typing.Union, types.UnionType):
-        for arg in typing.get_args(tp):
-            try:
-                return _check(value, arg, key)
-            except ConfigError:
-                continue
-    elif tp is type(None):
-        if value is None:
-            return None
-    elif tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    elif tp is dict:
-        if isinstance(value, dict):
-            return dict(value)
-    elif origin is tuple:
-        args = typing.get_args(tp)
-        if isinstance(value, list | tuple) and len(value) == len(args):
-            return tuple(_check(v, a, key) for v, a in zip(value, args))
-    raise ConfigError(f"{key}={value!r} has the wrong type; expected {_describe(tp)}")
-
-
-def build_dataclass(cls: type, data: dict | None, prefix: str):
-    """Instantiate ``cls`` from a mapping, checking keys and types; errors name ``prefix.key``."""
-    data = {} if data is None else data
-    if not isinstance(data, dict):
-        raise ConfigError(f"{prefix} must be a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - fields)
-    if unknown:
-        where = f"{prefix}." if prefix else ""
-        raise ConfigError(f"unknown key(s) {', '.join(where + k for k in unknown)}; valid keys "
-                          f"in {prefix or 'the top level'}: {', '.join(sorted(fields)) or 'none'}")
-    kwargs = {k: _check(v, hints[k], f"{prefix}.{k}" if prefix else k) for k, v in data.items()}
-    return cls(**kwargs)
-
-
 def _named(section: dict | None, key: str, lookup) -> Named:
     if not isinstance(section, dict) or "name" not in section:
         raise ConfigError(f"{key}.name is required")
     body = dict(section)
-    name = _check(body.pop("name"), str, f"{key}.name")
+    name = check_value(body.pop("name"), str, f"{key}.name")
     return Named(name, build_dataclass(lookup(name), body, key))
 
 
-def config_from_dict(data: dict) -> Config:
-    """Build and check a :class:`Config` from a plain mapping (as read from YAML)."""
+def config_from_dict(data: dict, source: str | Path | None = None) -> Config:
+    """Build and check a :class:`Config` from a plain mapping (as read from YAML).
+
+    ``source``: the file the mapping came from; every error then starts with its name.
+    """
+    if source is None:
+        return _config_from_dict(data)
+    try:
+        return _config_from_dict(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+def _config_from_dict(data: dict) -> Config:
     from real_data.algorithms import get_algorithm
     from real_data.models import model_config_class
 
     if not isinstance(data, dict):
-        raise ConfigError("a config file must hold a mapping")
+        raise ConfigError("a config file must hold a mapping of sections (name, model, "
+                          f"algorithm, train, ...), not {type(data).__name__}")
     data = dict(data)
     sections = {
         "model": _named(data.pop("model", None), "model", model_config_class),
@@ -292,8 +262,11 @@ def config_from_dict(data: dict) -> Config:
     if unknown:
         raise ConfigError(f"unknown key(s) {', '.join(unknown)}; valid top-level keys: "
                           "name, seed, seeds, data, partition, model, algorithm, train, eval, run")
-    cfg = Config(name=_check(data["name"], str, "name"),
-                 seed=_check(data.get("seed", 0), int, "seed"), **sections)
+    seed = check_value(data.get("seed", 0), int, "seed")
+    if seed < 0:
+        raise ConfigError(f"seed={seed} must be >= 0")
+    cfg = Config(name=check_name(check_value(data["name"], str, "name"), "name"), seed=seed,
+                 **sections)
     t = cfg.train
     if t.clients_per_round is not None and t.clients_per_round > cfg.partition.num_clients:
         raise ConfigError(f"train.clients_per_round={t.clients_per_round} exceeds "
@@ -361,5 +334,9 @@ def find_config(path_or_name: str) -> Path:
 def load_config(path_or_name: str, overrides: list[str] | None = None) -> Config:
     """Read a YAML config, apply dotted overrides, check everything."""
     path = find_config(path_or_name)
-    data = load_yaml(path) or {}
+    data = load_yaml(path)
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a config file must hold a mapping of sections (name, model, "
+                          f"algorithm, train, ...), not {type(data).__name__}")
     return config_from_dict(apply_overrides(data, dict(parse_overrides(overrides or []))))

@@ -24,9 +24,12 @@ Every file is readable by others (mode 0644): whole files are written through
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +38,9 @@ import numpy as np
 import torch
 import yaml
 
+from linattn.errors import DataError, UserError
 from linattn.fileio import atomic_path, atomic_write_json, atomic_write_text
+from real_data.lock import RunLock
 
 HEADER = "round,client,metric,value,stage\n"
 
@@ -44,8 +49,56 @@ COUNT_METRICS = frozenset({"bytes_up", "bytes_down", "train_flops", "trainable_p
                            "warmup_rounds_recommended", "fedpart_group"})
 
 
+SNAPSHOTS_FILE = "snapshot_rounds.json"  # the rounds start_run was asked to keep
+
+
+def create_locked(run_dir: Path) -> RunLock:
+    """Create ``run_dir`` (which must not exist) and lock it before anything is written."""
+    if run_dir.exists():
+        raise UserError(f"run directory {run_dir} already exists; choose another --out")
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir()
+    except FileExistsError:  # another process made it a moment ago
+        raise UserError(f"run directory {run_dir} already exists; choose another "
+                        "--out") from None
+    try:
+        return RunLock.acquire(run_dir)
+    except BaseException:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+
+
+def read_snapshot_rounds(run_dir: Path) -> tuple[int, ...]:
+    """The T0 snapshot rounds a run keeps (``snapshot_rounds.json``; none without it)."""
+    path = run_dir / SNAPSHOTS_FILE
+    if not path.is_file():
+        return ()
+    try:
+        rounds = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        rounds = None
+    if not (isinstance(rounds, list) and all(isinstance(r, int) for r in rounds)):
+        raise DataError(f"{path}: not a JSON list of rounds; write the T0 rounds to keep, "
+                        "e.g. [0, 5, 10], or remove the file to keep none")
+    return tuple(rounds)
+
+
+@contextlib.contextmanager
+def naming(path: Path):
+    """Re-raise an ``OSError`` about a temporary file beside ``path`` as one about ``path``
+    (the file the user knows; the temporary one is already gone)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None or Path(exc.filename).name.startswith(f".{path.name}."):
+            raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
+        raise
+
+
 def write_yaml(path: Path, data: dict) -> None:
-    atomic_write_text(path, yaml.safe_dump(data, sort_keys=False))
+    with naming(path):
+        atomic_write_text(path, yaml.safe_dump(data, sort_keys=False))
 
 
 def _fmt(v) -> str:
@@ -61,9 +114,9 @@ class CsvAppender:
     def __init__(self, path: Path, header: str) -> None:
         self.path = path
         if not path.exists():
-            atomic_write_text(path, header)
-        with open(path) as fh:
-            self.columns = tuple(fh.readline().strip().split(","))
+            with naming(path):
+                atomic_write_text(path, header)
+        self.columns = tuple(_lines(path, header.split(",")[0].strip())[0].strip().split(","))
 
     def append(self, rows) -> None:
         text = "".join(",".join(_fmt(v) for v in row) + "\n" for row in rows)
@@ -73,38 +126,69 @@ class CsvAppender:
             os.fsync(fh.fileno())
 
 
+def _lines(path: Path, first: str = "round") -> list[str]:
+    """The lines of a CSV file whose header starts with column ``first``; unreadable content
+    names the file."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not UTF-8 text (byte {exc.start}); the file is damaged: "
+                        "restore it from a copy or start the run again") from None
+    lines = text.splitlines(keepends=True)
+    if not lines or lines[0].split(",", 1)[0].strip() != first:
+        raise DataError(f"{path}: no '{first},...' header; the file is damaged: restore it "
+                        "from a copy or start the run again")
+    return lines
+
+
 def truncate_rows(path: Path, last_round: int) -> None:
-    """Keep the header and rows with round <= ``last_round`` (used when resuming)."""
+    """Keep the header and rows with round <= ``last_round`` (used when resuming).
+
+    A last line without its newline (a write cut short) is dropped; any other line that is
+    not a row raises :class:`DataError` naming the file and the line.
+    """
     if not path.exists():
         return
-    lines = path.read_text().splitlines(keepends=True)
-    keep = lines[:1] + [ln for ln in lines[1:]
-                        if ln.strip() and ln.endswith("\n") and int(ln.split(",", 1)[0])
-                        <= last_round]
-    atomic_write_text(path, "".join(keep))
+    lines = _lines(path)
+    keep = lines[:1]
+    for number, line in enumerate(lines[1:], start=2):
+        if not line.endswith("\n") or not line.strip():
+            continue
+        try:
+            rnd = int(line.split(",", 1)[0])
+        except ValueError:
+            raise DataError(f"{path}, line {number}: {line[:60].rstrip()!r} is not a row "
+                            "(round first); delete that line (or restore the file), then "
+                            "resume") from None
+        if rnd <= last_round:
+            keep.append(line)
+    with naming(path):
+        atomic_write_text(path, "".join(keep))
 
 
 def read_global_metrics(path: Path) -> dict[str, list[tuple[int, float]]]:
     """metric -> [(round, value), ...] for the global rows of a metrics.csv."""
     out: dict[str, list[tuple[int, float]]] = {}
-    with open(path, newline="") as fh:
-        for row in csv.DictReader(fh):
+    for number, row in enumerate(csv.DictReader(_lines(path)), start=2):
+        try:
             if row["client"] == "global":
                 out.setdefault(row["metric"], []).append((int(row["round"]),
                                                           float(row["value"])))
+        except (KeyError, TypeError, ValueError):
+            raise DataError(f"{path}, line {number}: not a row of round,client,metric,value; "
+                            "delete that line (or restore the file)") from None
     return out
 
 
 def read_stages(path: Path) -> dict[int, str]:
     """round -> stage from a metrics.csv (empty when the file has no stage column)."""
     out: dict[int, str] = {}
-    with open(path, newline="") as fh:
-        reader = csv.DictReader(fh)
-        if "stage" not in (reader.fieldnames or ()):
-            return out
-        for row in reader:
-            if row["stage"]:
-                out[int(row["round"])] = row["stage"]
+    reader = csv.DictReader(_lines(path))
+    if "stage" not in (reader.fieldnames or ()):
+        return out
+    for row in reader:
+        if row["stage"] and (row["round"] or "").isdigit():
+            out[int(row["round"])] = row["stage"]
     return out
 
 
@@ -234,11 +318,14 @@ def plot_curves(metrics_path: Path, out: Path, title: str) -> None:
         fig.legend(handles=[Patch(color=colour[n], label=n) for n in names], title="stage",
                    loc="outside lower center", ncol=min(len(names), 8), fontsize=8,
                    title_fontsize=8, frameon=False)
-    with atomic_path(out) as tmp:
-        fig.savefig(tmp, format="png", dpi=120)
-    plt.close(fig)
+    try:
+        with naming(out), atomic_path(out) as tmp:
+            fig.savefig(tmp, format="png", dpi=120)
+    finally:
+        plt.close(fig)
 
 
 def write_json(path: Path, data: dict) -> None:
     """``data`` as JSON, atomically (mode 0644; integer counts stay integers)."""
-    atomic_write_json(path, data)
+    with naming(path):
+        atomic_write_json(path, data)

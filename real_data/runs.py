@@ -7,12 +7,10 @@ drops rows newer than the checkpoint and continues, so a run killed at any point
 same ``metrics.csv`` as an uninterrupted one. A non-finite loss stops the run, keeps the last
 good checkpoint and records ``status: diverged`` in ``summary.json``.
 
-A run directory is written by one process at a time: :func:`prepare_start` creates it and
-takes its lock (:mod:`real_data.lock`) at once, :func:`prepare_resume` takes the lock before
-it reads or truncates anything; :meth:`RunLog.close` releases it, and so does any exception
-on the way. A new run whose preparation fails leaves no directory behind. An OS fault while a
-run trains (disk full, read-only file system) leaves ``checkpoints/last.pt`` at the last round
-it was written and no temporary file; the error carries the command that continues the run.
+One process writes a run directory at a time: :func:`prepare_start` locks it as it creates
+it and :func:`prepare_resume` before it reads anything (:mod:`real_data.lock`);
+:meth:`RunLog.close` or any exception releases the lock. A new run that fails to prepare
+leaves no directory; an OS fault mid-run keeps ``last.pt`` and names the resume command.
 """
 
 from __future__ import annotations
@@ -213,9 +211,8 @@ def _open_locked(run_dir: Path, lock: RunLock, trainer, dataset, device) -> Prep
     if ckpt.exists():
         state, extra, rng = load_checkpoint(ckpt, fed.device)
         if not 0 <= state.round <= cfg.train.rounds:
-            raise DataError(f"{ckpt}: holds round {state.round}, outside the run's 0.."
-                            f"{cfg.train.rounds}; it belongs to another run: move it away "
-                            "to restart this one from round 0")
+            raise DataError(f"{ckpt}: round {state.round} is not one of this run's 0.."
+                            f"{cfg.train.rounds}; move it away to restart from round 0")
         restore_rng_states(rng)
         elapsed = extra.get("elapsed", 0.0)
     for name in ("metrics.csv", "timings.csv"):
@@ -319,7 +316,7 @@ class RunLog:
 
     def close(self, state: FedState, status: str, message: str) -> RunResult:
         """Close the progress bar and TensorBoard, write ``summary.json`` and the plot, and
-        release the run directory's lock."""
+        release the run directory's lock (also when writing fails)."""
         try:
             self.bar.close()
             if self.board is not None:
@@ -327,13 +324,8 @@ class RunLog:
             return _finish(self.prep.fed, state, self.prep.run_dir, self.elapsed, status,
                            message)
         finally:
-            self.release()
-
-    def release(self) -> None:
-        """Release the run directory's lock (also on an exception; idempotent)."""
-        self.bar.close()
-        if self.prep.lock is not None:
-            self.prep.lock.release()
+            if self.prep.lock is not None:
+                self.prep.lock.release()
 
 
 def train_prepared(prep: Prepared, on_round_end: RoundHook | None = None) -> RunResult:
@@ -358,24 +350,20 @@ def _train(prep: Prepared, on_round_end: RoundHook | None) -> RunResult:
     status, message = "completed", ""
     if fed.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(fed.device)
-    try:
-        for rnd in range(state.round + 1, fed.cfg.train.rounds + 1):
-            # 1. one round; on NaN keep the last good checkpoint and stop. plan_round depends
-            #    only on (round, server state), so this is the plan run_round follows
-            stage = fed.algorithm.plan_round(rnd, state.server_state).stage
-            t_start = time.perf_counter()
-            try:
-                state, records = fed.run_round(state, rnd)
-            except Diverged as exc:
-                status, message = "diverged", log.diverged_message(exc)
-                break
-            if fed.device.type == "cuda":
-                torch.cuda.synchronize(fed.device)
-            # 2. rows first, then the checkpoint
-            log.record(rnd, stage, state, records, time.perf_counter() - t_start)
-    except BaseException:
-        log.release()
-        raise
+    for rnd in range(state.round + 1, fed.cfg.train.rounds + 1):
+        # 1. one round; on NaN keep the last good checkpoint and stop. plan_round depends only
+        #    on (round, server state), so this is the plan run_round follows
+        stage = fed.algorithm.plan_round(rnd, state.server_state).stage
+        t_start = time.perf_counter()
+        try:
+            state, records = fed.run_round(state, rnd)
+        except Diverged as exc:
+            status, message = "diverged", log.diverged_message(exc)
+            break
+        if fed.device.type == "cuda":
+            torch.cuda.synchronize(fed.device)
+        # 2. rows first, then the checkpoint
+        log.record(rnd, stage, state, records, time.perf_counter() - t_start)
     return log.close(state, status, message)
 
 

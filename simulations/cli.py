@@ -11,7 +11,9 @@ The router (``linattn/cli.py``) passes argv with argv[0] == "simulate". Bad inpu
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+import warnings
 from pathlib import Path
 
 from simulations.config import ConfigError
@@ -86,18 +88,29 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "run":
         from simulations.config import load_config
+        from simulations.divergence import describe
         from simulations.runs import run_configs
 
         _threads(args.threads)
         configs, sweep = load_config(args.config, args.overrides)  # raises before any write
         name = configs[0].simulation.name
         out = Path(args.out or f"runs/simulate/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
-        summary = run_configs(configs, sweep, out)
+        with warnings.catch_warnings():  # the diverged runs are reported below instead
+            warnings.simplefilter("ignore", RuntimeWarning)
+            summary = run_configs(configs, sweep, out)
         for rec in summary["settings"]:
             line = (f"setting {rec['index']}: empirical best T0 = {rec['empirical_best_warmup']}")
             if "population_best_warmup" in rec:
                 line += f", population T0* = {rec['population_best_warmup']}"
             print(line)
+            if rec["diverged"]:
+                lr = rec["config"]["training"]["lr"]
+                print(f"warning: setting {rec['index']} (training.lr={lr:g}) diverged: "
+                      f"{describe(rec['diverged'])}; its metrics are NaN from there; lower "
+                      "training.lr", file=sys.stderr)
+            if "population_error" in rec:
+                print(f"warning: setting {rec['index']}: population dynamics not computed: "
+                      f"{rec['population_error']}", file=sys.stderr)
         print(f"wrote {out} ({summary['wall_time_s']:.1f} s)")
         return 0
     if args.command == "validate":

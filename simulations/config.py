@@ -3,12 +3,17 @@
 A config file has the sections ``problem``, ``training``, ``data``, ``simulation`` and an
 optional ``sweep``: a mapping from dotted keys to lists of values, expanded as a cartesian
 product into one config per combination. Unknown keys, wrong types and impossible values
-raise :class:`ConfigError` naming the key (the CLI exits with status 2 and writes nothing).
+raise :class:`ConfigError` naming the key (the CLI exits with status 2 and writes nothing):
+numbers must be finite, seeds >= 0, the run's name one plain folder name, and the arrays a
+sweep needs must fit in memory (:func:`check_memory`, a lower bound).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
+import os
+import re
 import types
 import typing
 from dataclasses import asdict, dataclass, field, fields
@@ -50,6 +55,7 @@ class ProblemConfig:
                self.kernel_ridge, "> 0 or null (= ridge)")
         _check(self.weights in ("uniform", "random"), "problem.weights", self.weights,
                "'uniform' or 'random'")
+        _check(self.seed >= 0, "problem.seed", self.seed, ">= 0")
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,7 @@ class TrainingConfig:
                "in (0, 1]")
         _check(self.init_scale > 0, "training.init_scale", self.init_scale,
                "> 0 (M = 0 is a stationary point)")
+        _check(self.init_seed >= 0, "training.init_seed", self.init_seed, ">= 0")
 
 
 @dataclass(frozen=True)
@@ -100,6 +107,9 @@ class DataConfig:
             _check(getattr(self, key) >= 1, f"data.{key}", getattr(self, key), ">= 1")
 
 
+_NAME = re.compile(r"[A-Za-z0-9_.+=-]+")
+
+
 @dataclass(frozen=True)
 class MonteCarloConfig:
     """Seeds ``first_seed .. first_seed + seeds - 1``; ``name`` names the run directory."""
@@ -110,6 +120,10 @@ class MonteCarloConfig:
 
     def __post_init__(self):
         _check(self.seeds >= 1, "simulation.seeds", self.seeds, ">= 1")
+        _check(self.first_seed >= 0, "simulation.first_seed", self.first_seed, ">= 0")
+        _check(bool(_NAME.fullmatch(self.name)) and self.name not in (".", ".."),
+               "simulation.name", self.name,
+               "a plain folder name (letters, digits, _ . + = -; no path separators)")
 
 
 @dataclass(frozen=True)
@@ -142,6 +156,7 @@ def _coerce(key: str, value, annotation):
     if hint is float:
         _check(isinstance(value, int | float) and not isinstance(value, bool), key, value,
                "a number")
+        _check(math.isfinite(value), key, value, "a finite number")
         return float(value)
     if hint is str:
         _check(isinstance(value, str), key, value, "a string")
@@ -215,7 +230,54 @@ def expand(raw: dict, overrides: list[str] = ()) -> tuple[list[SimConfig], dict]
         for k, v in zip(keys, combo):
             one = _set(one, k, v)
         configs.append(config_from_dict(one)[0])
+    check_memory(configs)
     return configs, sweep
+
+
+def memory_bytes(cfg: SimConfig) -> dict[str, tuple[int, str]]:
+    """Lower bounds in bytes of the arrays one setting holds at once (float64), by part ->
+    (bytes, the keys that set it)."""
+    p, t, d = cfg.problem, cfg.training, cfg.data
+    seeds, c, n, dim, dy = cfg.simulation.seeds, p.num_clients, p.context_length, p.dim, p.out_dim
+    per_sample = dim * dim + dim + dy + (n * dim if t.attention == "softmax" else 0)
+    return {
+        "the clients' training sets": (
+            8 * c * d.samples_per_client * (seeds * per_sample + 2 * (n + 1) * dim),
+            "data.samples_per_client (or simulation.seeds, problem.num_clients, "
+            "problem.context_length)"),
+        "the test sets": (8 * seeds * c * d.test_samples * per_sample, "data.test_samples"),
+        "the minibatch indices": (
+            8 * t.total_rounds * seeds * t.local_steps * c * t.batch_size,
+            "training.batch_size (or training.local_steps, training.total_rounds)"),
+        "the frozen-stage paths": (
+            8 * seeds * len(t.warmup_rounds) * (t.total_rounds + 1) * dim * dy,
+            "training.warmup_rounds (or training.total_rounds)"),
+    }
+
+
+def physical_memory() -> int:
+    """Bytes of physical memory (the cgroup limit when lower)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(limit) as fh:
+                total = min(total, int(fh.read().strip()))
+        except (OSError, ValueError):
+            continue
+    return int(total)
+
+
+def check_memory(configs: list[SimConfig]) -> None:
+    """Refuse a sweep whose largest setting cannot fit in memory, naming the key to lower."""
+    have = physical_memory()
+    for cfg in configs:
+        parts = memory_bytes(cfg)
+        need = sum(b for b, _ in parts.values())
+        if need > have:
+            name, (size, keys) = max(parts.items(), key=lambda kv: kv[1][0])
+            raise ConfigError(f"a setting needs at least {need / 2**30:.3g} GiB ({name}: "
+                              f"{size / 2**30:.3g} GiB) but this machine has "
+                              f"{have / 2**30:.3g} GiB; lower {keys}")
 
 
 def load_config(path, overrides: list[str] = ()) -> tuple[list[SimConfig], dict]:

@@ -23,6 +23,7 @@ to a standalone run with that T0 (tests/simulations hold this against :mod:`simu
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,6 +32,7 @@ import torch
 from linattn_theory.dynamics import initial_point
 from linattn_theory.problem import Problem
 from simulations.data import ROLE_PARTICIPATION, ROLE_SAMPLING, role_rng
+from simulations.divergence import describe, diverged_runs
 from simulations.group import RunGroup, float64_tensor
 from simulations.model import (
     features,
@@ -329,7 +331,9 @@ def _frozen_round(group, feats, index, value, agg):
 def simulate(settings, seeds) -> list[SimResult]:
     """Simulate every setting for every seed; returns one :class:`SimResult` per setting.
 
-    Settings are grouped by :meth:`Setting.group_key` and each group runs vectorized.
+    Settings are grouped by :meth:`Setting.group_key` and each group runs vectorized. A
+    setting with diverged seeds raises a ``RuntimeWarning`` naming them and the round
+    (:func:`simulations.divergence.diverged_runs` gives the records).
     """
     single = isinstance(settings, Setting)
     settings = [settings] if single else list(settings)
@@ -341,4 +345,10 @@ def simulate(settings, seeds) -> list[SimResult]:
     for members in groups.values():
         for i, res in zip(members, _simulate_group([settings[i] for i in members], seeds)):
             results[i] = res
+    for i, res in enumerate(results):
+        records = diverged_runs(res)
+        if records:
+            name = res.setting.label or f"setting {i}"
+            warnings.warn(f"{name} (lr={res.setting.lr:g}, K={res.setting.local_steps}) "
+                          f"diverged: {describe(records)}", RuntimeWarning, stacklevel=2)
     return results[0] if single else results

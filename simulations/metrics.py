@@ -12,7 +12,8 @@ numbers and the population dynamics' numbers are the same functions of (M, V):
 - the gradient-norm jump after aggregation, grad_first[t+1] / grad_last[t].
 
 For the softmax student the Phi-based metrics are NaN (Phi is the linear model's profile);
-only the test losses are reported.
+only the test losses are reported. A diverged run (:mod:`simulations.divergence`) gets NaN for
+every metric of its diverged rounds; the healthy rounds and runs keep their values.
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from linattn_theory.dynamics import DynamicsResult, population_dynamics
+from linattn_theory.errors import ParameterError
 from linattn_theory.frozen import local_value_maps
 from linattn_theory.objectives import value_quadratic
 from linattn_theory.problem import Problem
 from linattn_theory.profile import solve_profile
+from simulations.divergence import healthy
 from simulations.engine import SimResult
 
 _PROFILE_CACHE: dict[int, tuple[Problem, float]] = {}
@@ -46,7 +49,7 @@ def profile_parts(problem: Problem, kernels: np.ndarray):
     p = problem.weights
     hess = np.einsum("c,ncij->nij", p, h) + problem.ridge * np.eye(problem.dim)
     linear = np.einsum("c,ncia->nia", p, lin)
-    optimum = np.linalg.solve(hess, linear)
+    optimum = _solve(hess, linear)
     ridge = 0.5 * problem.kernel_ridge * np.sum(kernels**2, axis=(1, 2))
     phi = p @ const + ridge - 0.5 * np.sum(linear * optimum, axis=(1, 2))
     return phi, hess, optimum, h, lin
@@ -64,8 +67,16 @@ def frozen_floors(problem: Problem, h, lin, hess, optimum, lr: float, local_step
     p = problem.weights
     transition = np.einsum("c,...cij->...ij", p, a)
     offset = np.einsum("c,...cij,...cja->...ia", p, b, lin)
-    fixed = np.linalg.solve(np.eye(problem.dim) - transition, offset)
+    fixed = _solve(np.eye(problem.dim) - transition, offset)
     return np.maximum(excess(hess, optimum, fixed), 0.0), fixed
+
+
+def _solve(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``np.linalg.solve`` for a stack; a singular member gets its least-squares solution."""
+    try:
+        return np.linalg.solve(a, b)
+    except np.linalg.LinAlgError:
+        return np.linalg.pinv(a) @ b
 
 
 @dataclass(frozen=True)
@@ -106,25 +117,38 @@ def compute_metrics(result: SimResult, star: float | None = None) -> SimMetrics:
                           nan_j, nan_j, nan_j, jumps, result.test_loss, result.frozen_test_loss)
     star = phi_star(prob) if star is None else star
     d = prob.dim
-    flat = result.kernels.reshape(-1, d, d)
-    phi, hess, opt, h, lin = profile_parts(prob, flat)
-    ref_phi = profile_parts(prob, result.reference_kernels.reshape(-1, d, d))[0]
+    # diverged rounds are evaluated at the run's start (always healthy) and reported as NaN
+    warm = healthy(result.kernels) & healthy(result.values)  # (S, H+1)
+    ref_ok = healthy(result.reference_kernels)
+    kernels = np.where(warm[..., None, None], result.kernels, result.kernels[:, :1])
+    values = np.where(warm[..., None, None], result.values, result.values[:, :1])
+    ref_kernels = np.where(ref_ok[..., None, None], result.reference_kernels,
+                           result.reference_kernels[:, :1])
+    frozen_values = np.where(healthy(result.frozen_values)[..., None, None],
+                             result.frozen_values, np.nan)
+    phi, hess, opt, h, lin = profile_parts(prob, kernels.reshape(-1, d, d))
+    ref_phi = profile_parts(prob, ref_kernels.reshape(-1, d, d))[0]
     phi, ref_phi = phi.reshape(s_count, h1), ref_phi.reshape(s_count, h1)
+    phi[~warm], ref_phi[~ref_ok] = np.nan, np.nan
     hess = hess.reshape(s_count, h1, d, d)
     opt = opt.reshape(s_count, h1, d, -1)
     h = h.reshape(s_count, h1, *h.shape[1:])
     lin = lin.reshape(s_count, h1, *lin.shape[1:])
-    dev = np.linalg.norm((result.kernels - result.reference_kernels).reshape(s_count, h1, -1),
-                         axis=-1)
-    excess_path = phi - star + excess(hess, opt, result.values)
+    dev = np.linalg.norm((kernels - ref_kernels).reshape(s_count, h1, -1), axis=-1)
+    dev[~(warm & ref_ok)] = np.nan
+    excess_path = phi - star + excess(hess, opt, values)
     # frozen runs: kernel M_T0, value path V_t for t >= T0
     hj, oj = hess[:, t0s], opt[:, t0s]  # (S, J, ...)
     curves = (phi[:, t0s] - star)[..., None] + excess(hj[:, :, None], oj[:, :, None],
-                                                     result.frozen_values)
+                                                     frozen_values)
     for j, t0 in enumerate(t0s):
         curves[:, j, :t0] = excess_path[:, :t0]
-    value_err = excess(hj, oj, result.frozen_values[:, :, -1])
-    floor, _ = frozen_floors(prob, h[:, t0s], lin[:, t0s], hj, oj, st.lr, st.local_steps)
+    value_err = excess(hj, oj, frozen_values[:, :, -1])
+    try:
+        floor, _ = frozen_floors(prob, h[:, t0s], lin[:, t0s], hj, oj, st.lr, st.local_steps)
+    except ParameterError:  # eta beyond the local value problem's stability limit: no floor
+        floor = np.full(hj.shape[:2], np.nan)
+    floor[~warm[:, t0s]] = np.nan
     return SimMetrics(
         warmup_rounds=t0s, phi_star=float(star),
         kernel_error_path=phi - star, reference_error_path=ref_phi - star,

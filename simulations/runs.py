@@ -9,11 +9,17 @@ Run names in ``metrics.csv``: ``s{i}_seed{k}`` for the warm-up path of setting i
 (metrics kernel_error, reference_error, drift, kernel_deviation, excess, test_loss,
 grad_first, grad_last); ``s{i}_seed{k}_T0={t}`` for a frozen-stage run (metric ``error`` =
 F(M_T0, V_t) - Phi*); ``s{i}_population_T0={t}`` for the population dynamics (``error``).
+
+Everything is computed before the run directory is created, and every file is written
+atomically, so a run that fails writes nothing. A run that diverges is a result: its metrics
+are NaN from the round it diverged, ``summary.json`` lists the diverged seeds per setting
+(``diverged``) and the command line warns about them.
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import json
 import platform
 import subprocess
@@ -23,9 +29,11 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from linattn.fileio import atomic_write_json
+from linattn.fileio import atomic_write_json, atomic_write_text
+from linattn_theory.errors import ParameterError
 from linattn_theory.problem import make_problem
 from simulations.config import SimConfig
+from simulations.divergence import diverged_runs
 from simulations.engine import Setting, simulate
 from simulations.metrics import compute_metrics, mean_se, phi_star, population
 
@@ -82,20 +90,19 @@ def run_configs(configs: list[SimConfig], sweep: dict, out_dir) -> dict:
     results = [r for _, r in sorted(results, key=lambda x: x[0])]
     sim_time = time.perf_counter() - clock
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     summary = {"settings": [], "sweep": sweep, "wall_time_s": None, **provenance()}
-    with open(out / "metrics.csv", "w", newline="") as fh:
-        writer = csv.writer(fh)
-        writer.writerow(["round", "run", "metric", "value"])
-        for i, (cfg, st, res) in enumerate(zip(configs, settings, results)):
-            summary["settings"].append(_write_setting(writer, i, cfg, st, res))
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(["round", "run", "metric", "value"])
+    for i, (cfg, st, res) in enumerate(zip(configs, settings, results)):
+        summary["settings"].append(_write_setting(writer, i, cfg, st, res))
     summary["wall_time_s"] = time.perf_counter() - clock
     summary["simulation_time_s"] = sim_time
+    out = Path(out_dir)  # written only now: nothing of a run that fails on the way
+    atomic_write_text(out / "metrics.csv", buffer.getvalue())
     atomic_write_json(out / "summary.json", summary, indent=1)
-    with open(out / "config.yaml", "w") as fh:
-        yaml.safe_dump({"configs": [c.to_dict() for c in configs], "sweep": sweep}, fh,
-                       sort_keys=False)
+    atomic_write_text(out / "config.yaml", yaml.safe_dump(
+        {"configs": [c.to_dict() for c in configs], "sweep": sweep}, sort_keys=False))
     return summary
 
 
@@ -119,17 +126,22 @@ def _write_setting(writer, i, cfg, st, res) -> dict:
                 value = float(m.error_curves[k, j, t])
                 writer.writerow([t, f"{run}_T0={t0}", "error", repr(value)])
     record = {"index": i, "config": cfg.to_dict(), "warmup_rounds": t0s,
-              "seeds": res.seeds.tolist()}
+              "seeds": res.seeds.tolist(), "diverged": diverged_runs(res)}
     final = m.final_error if linear else m.final_test_loss
     mean, se = mean_se(final)
+    best = None if np.all(np.isnan(mean)) else int(t0s[int(np.nanargmin(mean))])
     record.update({"final_metric": "R(T0) = F(M_T0, V_T) - Phi*" if linear else "test loss",
                    "final_mean": mean.tolist(), "final_se": se.tolist(),
-                   "empirical_best_warmup": int(t0s[int(np.argmin(mean))]),
+                   "empirical_best_warmup": best,
                    "gradient_jump_mean": float(np.mean(m.gradient_jump))
                    if m.gradient_jump.size else None})
     if linear:
         star = phi_star(st.problem)
-        pop = population(st, star)
+        try:
+            pop = population(st, star)
+        except ParameterError as exc:  # the exact dynamics diverge too (eta beyond 2/L)
+            record["population_error"] = str(exc)
+            return record
         for j, t0 in enumerate(t0s):
             for t in range(st.total_rounds + 1):
                 writer.writerow([t, f"s{i}_population_T0={t0}", "error",

@@ -20,7 +20,7 @@ import torch
 
 from linattn.errors import DataError
 from real_data.data.base import TensorDataset
-from real_data.data.store import read_verified, source
+from real_data.data.store import corrupt, read_verified, source
 
 # Mean and std of the training pixels in [0, 1], measured on the full training sets.
 NORMALIZATION = {
@@ -85,14 +85,18 @@ def load_idx_dataset(name: str, root: str | os.PathLike | None = None, *,
     train_limit, test_limit = _limit(train_limit, "train_limit"), _limit(test_limit, "test_limit")
     arrays = {}
     for file in src.files:
-        arrays[file.name] = parse_idx(read_verified(src, file, root, verify), file.name)
+        data = read_verified(src, file, root, verify)
+        try:
+            arrays[file.name] = parse_idx(data, f"{name}: {file.name}")
+        except DataError as exc:
+            raise corrupt(src, exc) from None
     splits = []
     for prefix, limit in (("train", train_limit), ("t10k", test_limit)):
         images = arrays[f"{prefix}-images-idx3-ubyte"]
         labels = arrays[f"{prefix}-labels-idx1-ubyte"]
         if images.ndim != 3 or len(images) != len(labels):
-            raise DataError(f"{name}: {prefix} images {images.shape} and labels {labels.shape} "
-                            "do not match")
+            raise corrupt(src, DataError(f"{name}: {prefix} images {images.shape} and labels "
+                                         f"{labels.shape} do not match"))
         images, labels = images[:limit], labels[:limit]
         splits.append((_standardize(images[:, None], name),
                        torch.from_numpy(labels.astype(np.int64))))
@@ -172,8 +176,11 @@ def load_cifar(name: str, root: str | os.PathLike | None = None, *,
     for file in src.files:
         split = "test" if file.name.endswith("test_batch") or file.name.endswith("/test") \
             else "train"
-        parts[split].append(parse_cifar_batch(read_verified(src, file, root, verify),
-                                               file.name, label_key))
+        data = read_verified(src, file, root, verify)
+        try:
+            parts[split].append(parse_cifar_batch(data, f"{name}: {file.name}", label_key))
+        except DataError as exc:
+            raise corrupt(src, exc) from None
     out = []
     for split, limit in (("train", train_limit), ("test", test_limit)):
         images = np.concatenate([p[0] for p in parts[split]])[:limit]

@@ -30,7 +30,7 @@ import torch
 
 from linattn.errors import DataError
 from real_data.data.base import TensorDataset
-from real_data.data.store import read_verified, source
+from real_data.data.store import corrupt, read_verified, source
 
 # id 0 is reserved for characters outside the vocabulary; ids 1..99 are string.printable less
 # the form feed, so VOCAB_SIZE = 100 (like the 100-character printable vocabulary of FedTP).
@@ -246,7 +246,12 @@ def load_shakespeare(root: str | os.PathLike | None = None, *, seq_len: int = SE
     if not 0.0 < test_fraction < 1.0:
         raise DataError(f"test_fraction must be in (0, 1) (got {test_fraction!r})")
     src = source("shakespeare")
-    roles = roles_of(read_plays(read_verified(src, src.files[0], root, verify), plays))
+    data = read_verified(src, src.files[0], root, verify)
+    try:
+        roles = roles_of(read_plays(data, plays))
+    except (tarfile.TarError, EOFError, OSError) as exc:
+        raise corrupt(src, DataError(f"shakespeare: {src.files[0].name} is not a readable tar "
+                                     f"archive ({exc})")) from None
     parts: dict[str, list[np.ndarray]] = {"train": [], "test": []}
     names = []
     for role in roles:

@@ -169,6 +169,11 @@ def read_bytes(path: Path) -> bytes:
         raise DataError(f"cannot read {path}: {exc}") from exc
 
 
+def corrupt(src: DataSource, error: DataError) -> DataError:
+    """``error`` (a file of ``src`` that does not parse) with the command that fixes it."""
+    return DataError(f"{error}; the file is corrupt: run `{src.fix_command}`")
+
+
 def digest(data: bytes, algorithm: str = "sha256") -> str:
     return hashlib.new(algorithm, data).hexdigest()
 
@@ -191,7 +196,11 @@ def read_verified(src: DataSource, file: DataFile, root: str | os.PathLike | Non
             f"`{src.fix_command}` (or point LINATTN_DATA at a folder written by "
             f"`linattn data pack {src.name} --to DIR`)" + _cifar_hint(src, folder)
         )
-    data = read_bytes(path)
+    try:
+        data = read_bytes(path)
+    except DataError as exc:  # truncated or damaged compression
+        raise DataError(f"{src.name}: {exc}; the file is corrupt: run `{src.fix_command}`"
+                        + _cifar_hint(src, folder)) from None
     if verify:
         got = digest(data, file.algorithm)
         if got != file.digest:

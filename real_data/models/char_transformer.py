@@ -8,6 +8,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from real_data.models.checks import check_transformer
 from real_data.models.groups import ParamGroup, check_groups, group
 from real_data.models.layers import Block
 
@@ -35,6 +36,9 @@ class CharTransformerConfig:
     dropout: float = 0.0
     vocab_size: int | None = None
     seq_len: int | None = None
+
+    def __post_init__(self) -> None:
+        check_transformer(self, ("dim", "depth", "heads", "mlp_dim", "vocab_size", "seq_len"))
 
 
 class CharTransformer(nn.Module):

@@ -8,6 +8,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from linattn.errors import ConfigError
+from real_data.models.checks import check_transformer
 from real_data.models.groups import ParamGroup, check_groups, group
 from real_data.models.layers import Block
 
@@ -42,6 +44,13 @@ class ViTConfig:
     image_size: int | None = None
     channels: int | None = None
     num_classes: int | None = None
+
+    def __post_init__(self) -> None:
+        check_transformer(self, ("patch", "dim", "depth", "heads", "mlp_dim", "image_size",
+                                 "channels", "num_classes"))
+        if self.image_size is not None and self.image_size % self.patch:
+            raise ConfigError(f"model.patch={self.patch} must divide the image size "
+                              f"{self.image_size} (e.g. model.patch=1 or a divisor of it)")
 
 
 class ViT(nn.Module):

@@ -8,14 +8,14 @@ with the sweep's, the arm's and the run's own overrides (:func:`run_config`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
-
-import yaml
 
 from linattn.configio import load_yaml
 from linattn.errors import ConfigError
 from real_data.config import Config, load_config
+from real_data.schema import check_name
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class Plan:
     pretrain: tuple[PretrainJob, ...] = ()
 
     def pretrained_path(self, job: PretrainJob) -> Path:
-        return self.out_dir / "pretrained" / f"{job.name}.pt"
+        return inside(self.out_dir, f"pretrained/{job.name}.pt")
 
 
 @dataclass(frozen=True)
@@ -81,85 +81,117 @@ def _require(cond: bool, where: str, message: str) -> None:
 
 
 def _strings(value, where: str) -> tuple[str, ...]:
-    _require(isinstance(value, list) and all(isinstance(v, str) for v in value), where,
-             "must be a list of key=value strings")
+    _require(isinstance(value, list) and all(isinstance(v, str) and "=" in v for v in value),
+             where, "must be a list of key=value strings")
     return tuple(value)
 
 
+def _ints(value, where: str, low: int) -> tuple[int, ...]:
+    _require(isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool)
+                                             and v >= low for v in value), where,
+             f"must be a list of integers >= {low}, e.g. [0, 1, 2]")
+    return tuple(value)
+
+
+def _mapping(value, where: str, allowed: set[str], required: tuple[str, ...] = ()) -> dict:
+    _require(isinstance(value, dict), where, f"must be a mapping with keys "
+             f"{', '.join(sorted(allowed))}")
+    bad = set(value) - allowed
+    _require(not bad, where, f"unknown keys {sorted(bad)}; allowed: {', '.join(sorted(allowed))}")
+    for key in required:
+        _require(key in value, where, f"missing {key!r}")
+    return value
+
+
+def _arm(arm, where: str) -> Arm:
+    arm = _mapping(arm, where, {"name", "overrides", "warmup_rounds", "reference"}, ("name",))
+    reference = arm.get("reference", False)
+    _require(isinstance(reference, bool), f"{where}.reference", "must be true or false")
+    t0s = _ints(arm.get("warmup_rounds", []), f"{where}.warmup_rounds", 0)
+    return Arm(check_name(arm["name"], f"{where}.name"),
+               _strings(arm.get("overrides", []), f"{where}.overrides"),
+               tuple(sorted(set(t0s), reverse=True)), reference)
+
+
+def _sweep(sw, where: str, seeds: tuple[int, ...]) -> Sweep:
+    sw = _mapping(sw, where, {"name", "config", "overrides", "alphas", "arms", "seeds"},
+                  ("name", "config", "arms"))
+    _require(isinstance(sw["config"], str) and sw["config"], f"{where}.config",
+             "must be a config name or a YAML path")
+    alphas = sw.get("alphas", [None])
+    _require(isinstance(alphas, list) and alphas and all(
+        a is None or (isinstance(a, int | float) and not isinstance(a, bool)
+                      and math.isfinite(a) and a > 0) for a in alphas),
+             f"{where}.alphas", "must be a non-empty list of finite numbers > 0 (or null: the "
+             "config's own partition)")
+    _require(isinstance(sw["arms"], list) and sw["arms"], f"{where}.arms",
+             "must be a non-empty list of arms ({name: ..., overrides: [...]})")
+    arms = tuple(_arm(arm, f"{where}.arms[{j}]") for j, arm in enumerate(sw["arms"]))
+    names = [a.name for a in arms]
+    _require(len(set(names)) == len(names), f"{where}.arms", "arm names must be unique")
+    if "seeds" in sw:
+        seeds = _ints(sw["seeds"], f"{where}.seeds", 0)
+        _require(bool(seeds), f"{where}.seeds", "must not be empty")
+    return Sweep(check_name(sw["name"], f"{where}.name"), sw["config"],
+                 _strings(sw.get("overrides", []), f"{where}.overrides"), tuple(alphas), arms,
+                 seeds)
+
+
+def _pretrain_job(job, where: str) -> PretrainJob:
+    fields = {"name", "config", "source", "overrides", "epochs", "exclude_largest_groups", "seed"}
+    job = _mapping(job, where, fields)
+    for key in ("name", "config", "source"):
+        _require(isinstance(job.get(key), str), where, f"missing {key!r} (a string)")
+    for key, low in (("epochs", 1), ("exclude_largest_groups", 0), ("seed", 0)):
+        value = job.get(key, low)
+        _require(isinstance(value, int) and not isinstance(value, bool) and value >= low,
+                 f"{where}.{key}", f"must be an integer >= {low}")
+    return PretrainJob(check_name(job["name"], f"{where}.name"), job["config"], job["source"],
+                       _strings(job.get("overrides", []), f"{where}.overrides"),
+                       int(job.get("epochs", 3)), int(job.get("exclude_largest_groups", 0)),
+                       int(job.get("seed", 0)))
+
+
 def load_plan(path: Path | str, out_dir: Path | str | None = None) -> Plan:
-    """Read and check a plan file; every error names the key and the allowed values."""
+    """Read and check a plan file; every error names the key and the allowed values.
+
+    Sweep, arm and pretraining names become folder and file names under ``out_dir``: each
+    must be one plain name (no path separator, not ``..``), so no run lands outside it.
+    """
     path = Path(path)
     if not path.is_file():
         shipped = Path(__file__).parents[1] / "studies" / (path.name if path.suffix else
                                                        f"{path}.yaml")
         _require(shipped.is_file(), "--plan", f"{path} not found (nor {shipped})")
         path = shipped
+    raw = load_yaml(path)
+    raw = {} if raw is None else raw
     try:
-        raw = load_yaml(path) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML ({exc})") from None
-    _require(isinstance(raw, dict), str(path), "must be a mapping")
-    unknown = set(raw) - {"name", "out_dir", "seeds", "sweeps", "pretrain", "common_arms"}
-    _require(not unknown, str(path), f"unknown keys {sorted(unknown)}; allowed: name, out_dir, "
-             "seeds, sweeps, pretrain, common_arms (YAML anchors only)")
-    seeds = raw.get("seeds", [0])
-    _require(isinstance(seeds, list) and seeds and all(isinstance(s, int) for s in seeds),
-             "seeds", "must be a non-empty list of integers")
-    sweeps = []
+        return _plan(raw, path, out_dir)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def _plan(raw, path: Path, out_dir) -> Plan:
+    raw = _mapping(raw, "the plan", {"name", "out_dir", "seeds", "sweeps", "pretrain",
+                                     "common_arms"})
+    name = raw.get("name", path.stem)
+    _require(isinstance(name, str) and name, "name", "must be a string")
+    seeds = _ints(raw.get("seeds", [0]), "seeds", 0)
+    _require(bool(seeds), "seeds", "must be a non-empty list of integers >= 0")
     _require(isinstance(raw.get("sweeps"), list) and raw["sweeps"], "sweeps",
              "must be a non-empty list")
-    for i, sw in enumerate(raw["sweeps"]):
-        where = f"sweeps[{i}]"
-        _require(isinstance(sw, dict), where, "must be a mapping")
-        bad = set(sw) - {"name", "config", "overrides", "alphas", "arms", "seeds"}
-        _require(not bad, where, f"unknown keys {sorted(bad)}; allowed: name, config, "
-                 "overrides, alphas, arms, seeds")
-        for key in ("name", "config", "arms"):
-            _require(key in sw, where, f"missing {key!r}")
-        alphas = sw.get("alphas", [None])
-        _require(isinstance(alphas, list) and all(a is None or (isinstance(a, int | float)
-                                                               and a > 0) for a in alphas),
-                 f"{where}.alphas", "must be a list of positive numbers")
-        arms = []
-        for j, arm in enumerate(sw["arms"]):
-            aw = f"{where}.arms[{j}]"
-            _require(isinstance(arm, dict) and "name" in arm, aw, "must be a mapping with a name")
-            bad = set(arm) - {"name", "overrides", "warmup_rounds", "reference"}
-            _require(not bad, aw, f"unknown keys {sorted(bad)}; allowed: name, overrides, "
-                     "warmup_rounds, reference")
-            t0s = arm.get("warmup_rounds", [])
-            _require(isinstance(t0s, list) and all(isinstance(t, int) and t >= 0 for t in t0s),
-                     f"{aw}.warmup_rounds", "must be a list of integers >= 0")
-            arms.append(Arm(arm["name"], _strings(arm.get("overrides", []), f"{aw}.overrides"),
-                            tuple(sorted(set(t0s), reverse=True)), bool(arm.get("reference"))))
-        names = [a.name for a in arms]
-        _require(len(set(names)) == len(names), f"{where}.arms", "arm names must be unique")
-        sweeps.append(Sweep(sw["name"], str(sw["config"]),
-                            _strings(sw.get("overrides", []), f"{where}.overrides"),
-                            tuple(alphas), tuple(arms), tuple(sw.get("seeds", seeds))))
-    jobs = []
+    sweeps = tuple(_sweep(sw, f"sweeps[{i}]", seeds) for i, sw in enumerate(raw["sweeps"]))
+    names = [sw.name for sw in sweeps]
+    _require(len(set(names)) == len(names), "sweeps", "sweep names must be unique")
     _require(isinstance(raw.get("pretrain", []), list), "pretrain", "must be a list")
-    fields = {"name", "config", "source", "overrides", "epochs", "exclude_largest_groups", "seed"}
-    for i, job in enumerate(raw.get("pretrain", [])):
-        where = f"pretrain[{i}]"
-        _require(isinstance(job, dict), where, "must be a mapping")
-        bad = set(job) - fields
-        _require(not bad, where,
-                 f"unknown keys {sorted(bad)}; allowed: {', '.join(sorted(fields))}")
-        for key in ("name", "config", "source"):
-            _require(isinstance(job.get(key), str), where, f"missing {key!r} (a string)")
-        for key, low in (("epochs", 1), ("exclude_largest_groups", 0), ("seed", 0)):
-            value = job.get(key, low)
-            _require(isinstance(value, int) and value >= low, f"{where}.{key}",
-                     f"must be an integer >= {low}")
-        jobs.append(PretrainJob(job["name"], job["config"], job["source"],
-                                _strings(job.get("overrides", []), f"{where}.overrides"),
-                                int(job.get("epochs", 3)),
-                                int(job.get("exclude_largest_groups", 0)), int(job.get("seed", 0))))
+    jobs = tuple(_pretrain_job(job, f"pretrain[{i}]")
+                 for i, job in enumerate(raw.get("pretrain", [])))
     names = [j.name for j in jobs]
     _require(len(set(names)) == len(names), "pretrain", "job names must be unique")
-    out = Path(out_dir or raw.get("out_dir", f"runs/study-{raw.get('name', path.stem)}"))
-    return Plan(str(raw.get("name", path.stem)), out, tuple(sweeps), tuple(jobs))
+    given = out_dir if out_dir is not None else raw.get("out_dir", f"runs/study-{name}")
+    _require(isinstance(given, str | Path) and str(given), "out_dir", "must be a folder path")
+    return Plan(name, Path(given), sweeps, jobs)
 
 
 def run_key(sweep: str, arm: str, t0, alpha, seed) -> str:
@@ -179,8 +211,20 @@ def plan_runs(plan: Plan) -> list[RunSpec]:
                 for seed in sw.seeds:
                     for t0 in arm.warmup_rounds or (None,):
                         key = run_key(sw.name, arm.name, t0, alpha, seed)
-                        specs.append(RunSpec(key, sw, arm, alpha, seed, t0, plan.out_dir / key))
+                        specs.append(RunSpec(key, sw, arm, alpha, seed, t0,
+                                             inside(plan.out_dir, key)))
     return specs
+
+
+def inside(root: Path, relative: str) -> Path:
+    """``root / relative``, refused unless it stays inside ``root`` (names are checked when the
+    plan is read; this holds the line for any path built later)."""
+    path = root / relative
+    base = root.resolve()
+    if Path(relative).is_absolute() or not path.resolve().is_relative_to(base):
+        raise ConfigError(f"{relative!r} would be written outside the plan's out_dir {root}; "
+                          "use plain sweep and arm names")
+    return path
 
 
 def run_overrides(spec: RunSpec, t0: int | None) -> list[str]:
