@@ -107,8 +107,9 @@ class RunLock:
     def __exit__(self, *exc) -> None:
         self.release()
 
-    def __del__(self) -> None:
-        self.release()
+    def __del__(self) -> None:  # a lock nobody released (the kernel drops it at exit anyway)
+        with contextlib.suppress(Exception):
+            self.release()
 
 
 def _flock_retrying(fd: int, tries: int = 4, pause_s: float = 0.05) -> None:
