@@ -394,7 +394,8 @@ def _check_finite(rnd, ids, objective, params) -> None:
     bad = []
     if objective is not None:
         bad = [int(ids[c]) for c in torch.nonzero(~torch.isfinite(objective)).flatten().tolist()]
-    if not bad and not all(bool(torch.isfinite(v).all()) for v in params.values()):
+    if not bad and params and not bool(torch.stack(
+            [torch.isfinite(v).all() for v in params.values()]).all()):  # one sync
         bad = ["(aggregate)"]
     if bad:
         raise Diverged(f"non-finite loss or parameters in round {rnd} (clients {bad[:10]}); "

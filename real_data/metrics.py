@@ -127,8 +127,10 @@ def relative_change(
     names = list(names)
     if not names:
         return 0.0
-    num = sum(float((new[n].double() - old[n].double()).pow(2).sum()) for n in names)
-    den = sum(float(old[n].double().pow(2).sum()) for n in names)
+    sums = torch.stack([torch.stack([(new[n].double() - old[n].double()).pow(2).sum(),
+                                     old[n].double().pow(2).sum()]) for n in names])
+    pairs = sums.cpu().tolist()  # one sync; then summed in name order
+    num, den = sum(p[0] for p in pairs), sum(p[1] for p in pairs)
     return float(np.sqrt(num / den)) if den > 0 else float(np.sqrt(num))
 
 

@@ -169,9 +169,7 @@ def run_group(requests: list[RunRequest], dataset=None, device: torch.device | N
             try:
                 state, pending = m.fed.update_round(m.prep.state, rnd, work, res)
             except Diverged as exc:
-                last = m.prep.state.round
-                results.append(_close(m, "diverged", f"{exc}; " + (
-                    f"last good checkpoint: round {last}" if last else "no round completed")))
+                results.append(_close(m, "diverged", m.log.diverged_message(exc)))
                 continue
             updated.append((m, rnd, work, state, pending, time.perf_counter() - t_run))
         t_eval = time.perf_counter()
@@ -259,6 +257,8 @@ def _member(req: RunRequest, dataset, device, hook) -> tuple[_Member, list[Branc
         branches.setdefault(b.warmup_rounds, []).append(b)
     done = prep.state.round
     finished = done >= prep.fed.cfg.train.rounds and (prep.run_dir / "summary.json").is_file()
+    if finished and prep.lock is not None:  # kept only as the source of its snapshots
+        prep.lock.release()
     member = _Member(prep, None if finished else RunLog(prep, hook),
                      {t0: bs for t0, bs in branches.items() if t0 > done}, not finished,
                      req.label)

@@ -18,6 +18,7 @@ import numpy as np
 from linattn.errors import ConfigError, UserError
 from linattn.fileio import atomic_path
 from real_data.config import load_config
+from real_data.lock import RunLocked
 from real_data.study.plan import Plan, RunSpec, plan_runs, run_config, run_overrides
 
 FINAL = ("completed", "diverged")  # a diverged run is a result (its status says so), not redone
@@ -233,6 +234,9 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
                 _run_stacked(batch, counts, log)
             else:
                 _run_group(members, counts, log)
+        except RunLocked as exc:  # another worker trains it now: leave it to that one
+            counts["left"] += sum(run_status(m.run_dir) not in FINAL for m in members)
+            log(f"left   {members[0].key}: {exc}")
         except UserError:
             raise  # a mistake in the plan or its files (exit 2), not a broken run
         except Exception as exc:  # one broken run must not stop a worker's whole shard
