@@ -212,7 +212,8 @@ def test_stacked_sweep_equals_the_sweep_run_by_run(tmp_path):
 def test_stacked_round_on_the_gpu_agrees_with_runs_alone(tmp_path):
     """One round in fp32 on CUDA (CUDA graphs; alone, FlatSGD's Triton update reads each
     client's lr; stacked, the masked update): each run's stacked update equals its run alone
-    within 1e-4 relative, its loss within 1e-5. (bf16 agreement over whole runs:
+    within 1e-4 of its norm plus 1e-6 (the floor: the key bias's true gradient is zero, its
+    update is rounding noise), its loss within 1e-5. (bf16 agreement over whole runs:
     benchmarks/bench_stacking.py.)"""
     from real_data.federation import Federation
     from real_data.runs import make_partition_for, resolve
@@ -237,6 +238,6 @@ def test_stacked_round_on_the_gpu_agrees_with_runs_alone(tmp_path):
         for n in got.params:
             delta = (got.params[n] - s.global_params[n]).double()
             ref = (alone.params[n] - s.global_params[n]).double()
-            err = float((delta - ref).norm() / ref.norm().clamp(min=1e-12))
-            assert err < 1e-4, (n, err)
+            err = float((delta - ref).norm())
+            assert err <= 1e-4 * float(ref.norm()) + 1e-6, (n, err, float(ref.norm()))
         assert torch.allclose(got.data_loss, alone.data_loss, rtol=1e-5)
