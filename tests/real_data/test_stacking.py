@@ -212,9 +212,10 @@ def test_stacked_sweep_equals_the_sweep_run_by_run(tmp_path):
 def test_stacked_round_on_the_gpu_agrees_with_runs_alone(tmp_path):
     """One round in fp32 on CUDA (CUDA graphs; alone, FlatSGD's Triton update reads each
     client's lr; stacked, the masked update): each run's stacked update equals its run alone
-    within 1e-4 of its norm plus 1e-6 (the floor: the key bias's true gradient is zero, its
-    update is rounding noise), its loss within 1e-5. (bf16 agreement over whole runs:
-    benchmarks/bench_stacking.py.)"""
+    within 1e-4 of its norm plus 1e-6, its loss within 1e-5. The key bias is left out: under
+    softmax its gradient is exactly zero (each query's score shift is the same for every key),
+    so its update is the attention kernel's TF32 rounding noise in either path. (bf16
+    agreement over whole runs: benchmarks/bench_stacking.py.)"""
     from real_data.federation import Federation
     from real_data.runs import make_partition_for, resolve
     from real_data.stacking import train_jobs
@@ -236,6 +237,8 @@ def test_stacked_round_on_the_gpu_agrees_with_runs_alone(tmp_path):
     for f, s, got in zip(feds, states, stacked):
         alone = f.train_job(f.begin_round(s, 1).job)
         for n in got.params:
+            if n.endswith("attn.k.bias"):
+                continue
             delta = (got.params[n] - s.global_params[n]).double()
             ref = (alone.params[n] - s.global_params[n]).double()
             err = float((delta - ref).norm())
