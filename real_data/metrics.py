@@ -40,15 +40,23 @@ def evaluate(
                else contextlib.nullcontext())
         with ctx:
             logits = forward(xb)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        lv = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), yb.reshape(-1),
-                             reduction="none").reshape(yb.shape)
-        hit = (logits.argmax(-1) == yb).to(torch.float64)
-        if yb.dim() > 1:  # text: mean over positions
-            lv, hit = lv.mean(dim=1), hit.mean(dim=1)
-        losses.append(lv.double())
+        lv, hit = _loss_hit(logits, yb, text=yb.dim() > 1)
+        losses.append(lv)
         correct.append(hit)
     return torch.cat(losses), torch.cat(correct)
+
+
+def _loss_hit(logits: torch.Tensor, y: torch.Tensor, text: bool
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample float64 cross-entropy and accuracy (in >= fp32); ``text``: y's last axis is
+    the positions of one sample, averaged."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    lv = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
+                         reduction="none").reshape(y.shape)
+    hit = (logits.argmax(-1) == y).to(torch.float64)
+    if text:
+        lv, hit = lv.mean(dim=-1), hit.mean(dim=-1)
+    return lv.double(), hit
 
 
 @torch.no_grad()
@@ -78,14 +86,8 @@ def evaluate_stacked(
         with ctx:
             logits = stacked_forward(model, params, names,
                                      xb.unsqueeze(0).expand(r, *xb.shape))
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        yr = yb.unsqueeze(0).expand(r, *yb.shape)
-        lv = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), yr.reshape(-1),
-                             reduction="none").reshape(yr.shape)
-        hit = (logits.argmax(-1) == yr).to(torch.float64)
-        if yb.dim() > 1:  # text: mean over positions
-            lv, hit = lv.mean(dim=2), hit.mean(dim=2)
-        losses.append(lv.double())
+        lv, hit = _loss_hit(logits, yb.unsqueeze(0).expand(r, *yb.shape), text=yb.dim() > 1)
+        losses.append(lv)
         correct.append(hit)
     return torch.cat(losses, dim=1), torch.cat(correct, dim=1)
 

@@ -249,6 +249,25 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
     return counts
 
 
+def _head_action(head: RunSpec, counts: dict, log) -> str:
+    """What a T0 family's head needs: ``"done"`` (completed or diverged: counted as skipped or
+    diverged), ``"resume"`` (a checkpoint exists; counted) or ``"start"`` (a partial run
+    without a checkpoint is removed first; the caller counts it once started); logged."""
+    status = run_status(head.run_dir)
+    if status in FINAL:
+        counts["skipped" if status == "completed" else "diverged"] += 1
+        return "done"
+    if status == "partial" and (head.run_dir / "checkpoints" / "last.pt").is_file():
+        log(f"resume {head.key}")
+        counts["resumed"] += 1
+        return "resume"
+    if status == "partial":  # created but killed before its first checkpoint
+        shutil.rmtree(head.run_dir)
+    log(f"start  {head.key}")
+    head.run_dir.parent.mkdir(parents=True, exist_ok=True)
+    return "start"
+
+
 def _stack_batches(families: list[list[RunSpec]], max_runs: int) -> list[list[list[RunSpec]]]:
     """Consecutive T0 families of one stack key, at most ``max_runs`` runs a batch."""
     from real_data.stacked_runs import stack_key
@@ -281,20 +300,9 @@ def _run_stacked(batch: list[list[RunSpec]], counts: dict, log) -> None:
         t0s = head.arm.warmup_rounds
         if head.arm.reference:
             t0s = tuple(sorted({t for a in head.sweep.arms for t in a.warmup_rounds}))
-        status = head_status = run_status(head.run_dir)
-        resume = status in FINAL or (status == "partial" and
-                                     (head.run_dir / "checkpoints" / "last.pt").is_file())
-        if status in FINAL:
-            counts["skipped" if status == "completed" else "diverged"] += 1
-        elif resume:
-            log(f"resume {head.key}")
-            counts["resumed"] += 1
-        else:
-            if status == "partial":  # created but killed before its first checkpoint
-                shutil.rmtree(head.run_dir)
-            log(f"start  {head.key}")
-            head.run_dir.parent.mkdir(parents=True, exist_ok=True)
-            counts["started"] += 1
+        head_status = _head_action(head, counts, log)
+        resume = head_status != "start"
+        counts["started"] += not resume  # queued in the group
         branches = []
         for m in family[1:]:
             status = run_status(m.run_dir)
@@ -305,7 +313,7 @@ def _run_stacked(batch: list[list[RunSpec]], counts: dict, log) -> None:
             branches.append(Branch(m.warmup_rounds, run_config(m, m.warmup_rounds), m.run_dir,
                                    m.key))
             counts["branched"] += 1
-        if head_status in FINAL and not branches:
+        if head_status == "done" and not branches:
             continue  # nothing of this family left to train
         requests.append(RunRequest(head.run_dir, cfg, resume,
                                    tuple(t for t in t0s if t is not None), tuple(branches),
@@ -330,18 +338,10 @@ def _run_group(members: list[RunSpec], counts: dict, log) -> None:
     if head.arm.reference:
         t0s = tuple(sorted({t for a in head.sweep.arms for t in a.warmup_rounds}))
     snapshots = tuple(t for t in t0s if t is not None)
-    status = run_status(head.run_dir)
-    if status in FINAL:
-        counts["skipped" if status == "completed" else "diverged"] += 1
-    elif status == "partial" and (head.run_dir / "checkpoints" / "last.pt").is_file():
-        log(f"resume {head.key}")
+    action = _head_action(head, counts, log)
+    if action == "resume":
         resume_run(head.run_dir)
-        counts["resumed"] += 1
-    else:
-        if status == "partial":  # created but killed before its first checkpoint
-            shutil.rmtree(head.run_dir)
-        log(f"start  {head.key}")
-        head.run_dir.parent.mkdir(parents=True, exist_ok=True)
+    elif action == "start":
         start_run(run_config(head, head.warmup_rounds), out=head.run_dir,
                   snapshot_rounds=snapshots)
         counts["started"] += 1
