@@ -30,13 +30,15 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 from torch.func import vmap
 
 from real_data.engines import flat_update, optim
 from real_data.engines.base import ClientResults, LocalJob, client_losses
+from real_data.engines.fast_setup import RunnerSetup as _Setup
+from real_data.engines.fast_setup import make_setup as _setup
 from real_data.engines.stacked import stacked_forward
 from real_data.engines.stacked import supports as model_supported
 
@@ -61,31 +63,6 @@ def clear_cache() -> None:
     _CHUNK.clear()
 
 
-@dataclass(frozen=True)
-class _Setup:
-    """What one round's runner depends on (its cache key without the chunk size)."""
-
-    trainable: tuple[str, ...]
-    shared: tuple[str, ...]
-    own: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    steps: int
-    batch: int
-    ragged: bool
-    regularizer: object  # a float constant, or "tensor"
-    spec: object
-    autocast: object
-    dtype: torch.dtype
-    data: tuple
-    model: int
-    graphs: bool
-    compile: bool | str  # False, True (default mode) or a torch.compile mode
-    attention: str
-    fold_norms: bool = True
-    triton_update: bool = True
-    masked: tuple[str, ...] = ()  # trainable names some clients do not train (stacked runs)
-
-
 def _allow_recompiles(limit: int = 256) -> None:
     """Let dynamo keep a compiled version per runner: its recompile limit (8 by default)
     counts the versions of one function, and every runner compiles ``_Runner._loss``,
@@ -95,16 +72,6 @@ def _allow_recompiles(limit: int = 256) -> None:
     for name in ("recompile_limit", "cache_size_limit"):  # torch >= 2.6: recompile_limit
         if hasattr(cfg, name) and getattr(cfg, name) < limit:
             setattr(cfg, name, limit)
-
-
-def _regularizer_kind(job: LocalJob) -> object:
-    """The regularizer of client 0: a number (constant for all) or ``"tensor"``."""
-    anchor = {n: job.global_params[n] for n in job.trainable}
-    one = {n: job.overrides[n][0] if n in job.overrides else job.global_params[n]
-           for n in job.trainable}
-    r = job.algorithm.regularizer(one, anchor, {k: v[0] for k, v in job.client_state.items()},
-                                  job.server_state)
-    return "tensor" if isinstance(r, torch.Tensor) else float(r)
 
 
 class _Runner:
@@ -306,35 +273,6 @@ class _Runner:
         acc["gfirst"].copy_(torch.where(first, norms, acc["gfirst"]))
         acc["glast"].copy_(torch.where(on, norms, acc["glast"]))
         self.s.add_(1)
-
-
-def _setup(job: LocalJob, graphs: bool, compile: bool | str, attention: str = "auto",
-           fold_norms: bool = True, triton_update: bool = True) -> _Setup:
-    fixed = [n for n in job.global_params if n not in job.trainable]
-    reg = _regularizer_kind(job)
-    dev = job.x.device
-    steps = job.batches.steps  # on the CPU: no device sync
-    ragged = bool((steps != steps.max()).any())
-    return _Setup(
-        trainable=tuple(job.trainable),
-        shared=tuple(n for n in fixed if n not in job.overrides),
-        own=tuple(n for n in fixed if n in job.overrides),
-        shapes=tuple(tuple(job.global_params[n].shape) for n in job.trainable),
-        steps=int(job.batches.idx.shape[1]), batch=int(job.batches.idx.shape[2]),
-        # the lr is data (_Runner.lr), not part of what a graph or compiled step depends on
-        ragged=ragged, regularizer=reg, spec=replace(job.optimizer, lr=0.0),
-        autocast=job.autocast,
-        dtype=job.global_params[job.trainable[0]].dtype,
-        data=(job.x.data_ptr(), tuple(job.x.shape), job.x.dtype, job.y.data_ptr(),
-              tuple(job.y.shape), str(dev), tuple(sorted(job.client_state))),
-        model=id(job.model),
-        graphs=graphs and dev.type == "cuda" and reg != "tensor",
-        compile=compile,
-        attention=attention,
-        fold_norms=fold_norms,
-        triton_update=triton_update,
-        masked=tuple(n for n in job.trainable if n in job.train_mask),
-    )
 
 
 def _max_chunk(job: LocalJob, setup: _Setup, clients: int) -> int:
