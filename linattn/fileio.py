@@ -18,26 +18,42 @@ FILE_MODE = 0o644
 
 
 @contextlib.contextmanager
+def naming(path: str | os.PathLike) -> Iterator[None]:
+    """Re-raise an ``OSError`` without a file name, or about a temporary file beside ``path``,
+    as one about ``path`` (the file the user knows; the temporary one is gone by then)."""
+    path = Path(path)
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None or Path(exc.filename).name.startswith(f".{path.name}."):
+            raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
+        raise
+
+
+@contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on a clean exit it replaces ``path``.
 
     For writers that need a file name (``savefig``, ``torch.save``). The temporary name keeps
-    the target's suffix, so writers that infer a format from it still do.
+    the target's suffix, so writers that infer a format from it still do. An ``OSError`` (disk
+    full, read-only folder) names ``path``, not the temporary file.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
-    os.close(fd)
-    tmp = Path(name)
-    try:
-        yield tmp
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.chmod(tmp, FILE_MODE)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    with naming(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.",
+                                    suffix=path.suffix)
+        os.close(fd)
+        tmp = Path(name)
+        try:
+            yield tmp
+            with open(tmp, "rb") as fh:
+                os.fsync(fh.fileno())
+            os.chmod(tmp, FILE_MODE)
+            os.replace(tmp, path)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

@@ -19,7 +19,6 @@ import torch
 from linattn.errors import DataError
 from linattn.fileio import atomic_path
 from real_data.federation import FedState
-from real_data.rundir import naming
 
 
 def rng_states() -> dict:
@@ -52,7 +51,7 @@ def save_checkpoint(path: Path, state: FedState, extra: dict) -> None:
                "extra": extra}
     # through a file object: a failed write raises the OSError (ENOSPC, EROFS, ...) rather
     # than torch's RuntimeError from its own writer
-    with naming(path), atomic_path(path) as tmp, open(tmp, "wb") as fh:
+    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
         torch.save(payload, fh)
 
 

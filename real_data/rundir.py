@@ -24,7 +24,6 @@ Every file is readable by others (mode 0644): whole files are written through
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import json
 import os
@@ -39,7 +38,7 @@ import torch
 import yaml
 
 from linattn.errors import DataError, UserError
-from linattn.fileio import atomic_path, atomic_write_json, atomic_write_text
+from linattn.fileio import atomic_path, atomic_write_json, atomic_write_text, naming
 from real_data.lock import RunLock
 
 HEADER = "round,client,metric,value,stage\n"
@@ -84,21 +83,8 @@ def read_snapshot_rounds(run_dir: Path) -> tuple[int, ...]:
     return tuple(rounds)
 
 
-@contextlib.contextmanager
-def naming(path: Path):
-    """Re-raise an ``OSError`` about a temporary file beside ``path`` as one about ``path``
-    (the file the user knows; the temporary one is already gone)."""
-    try:
-        yield
-    except OSError as exc:
-        if exc.filename is None or Path(exc.filename).name.startswith(f".{path.name}."):
-            raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
-        raise
-
-
 def write_yaml(path: Path, data: dict) -> None:
-    with naming(path):
-        atomic_write_text(path, yaml.safe_dump(data, sort_keys=False))
+    atomic_write_text(path, yaml.safe_dump(data, sort_keys=False))
 
 
 def _fmt(v) -> str:
@@ -114,13 +100,12 @@ class CsvAppender:
     def __init__(self, path: Path, header: str) -> None:
         self.path = path
         if not path.exists():
-            with naming(path):
-                atomic_write_text(path, header)
+            atomic_write_text(path, header)
         self.columns = tuple(_lines(path, header.split(",")[0].strip())[0].strip().split(","))
 
     def append(self, rows) -> None:
         text = "".join(",".join(_fmt(v) for v in row) + "\n" for row in rows)
-        with open(self.path, "a") as fh:
+        with naming(self.path), open(self.path, "a") as fh:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
@@ -162,8 +147,7 @@ def truncate_rows(path: Path, last_round: int) -> None:
                             "resume") from None
         if rnd <= last_round:
             keep.append(line)
-    with naming(path):
-        atomic_write_text(path, "".join(keep))
+    atomic_write_text(path, "".join(keep))
 
 
 def read_global_metrics(path: Path) -> dict[str, list[tuple[int, float]]]:
@@ -319,7 +303,7 @@ def plot_curves(metrics_path: Path, out: Path, title: str) -> None:
                    loc="outside lower center", ncol=min(len(names), 8), fontsize=8,
                    title_fontsize=8, frameon=False)
     try:
-        with naming(out), atomic_path(out) as tmp:
+        with atomic_path(out) as tmp:
             fig.savefig(tmp, format="png", dpi=120)
     finally:
         plt.close(fig)
@@ -327,5 +311,4 @@ def plot_curves(metrics_path: Path, out: Path, title: str) -> None:
 
 def write_json(path: Path, data: dict) -> None:
     """``data`` as JSON, atomically (mode 0644; integer counts stay integers)."""
-    with naming(path):
-        atomic_write_json(path, data)
+    atomic_write_json(path, data)

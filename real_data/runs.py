@@ -265,7 +265,6 @@ class RunLog:
         self.timings = rundir.CsvAppender(run_dir / "timings.csv", "round,seconds\n")
         self.board = _tensorboard(run_dir) if self.cfg.run.tensorboard else None
         self.elapsed = prep.elapsed
-        self.last_round = state.round  # the last round whose rows and checkpoint are written
         self.best = (_best_so_far(run_dir / "metrics.csv")
                      if self.cfg.run.progress and state.round else (float("-inf"), 0))
         self.bar = tqdm(total=self.cfg.train.rounds, initial=state.round,
@@ -295,7 +294,6 @@ class RunLog:
         if rnd in self.prep.snapshot_rounds:
             save_checkpoint(run_dir / "checkpoints" / f"round_{rnd}.pt", state,
                             {"elapsed": self.elapsed})
-        self.last_round = rnd
         # progress: the last and the best test accuracy so far
         self.bar.update(1)
         acc = next((v for r, c, k, v in records if c == "global" and k == "test_acc"), None)

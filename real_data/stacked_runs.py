@@ -45,6 +45,8 @@ from real_data.runs import (
 )
 from real_data.stacking import train_jobs
 
+FAILED = object()  # what run_group's guard gives for a run that failed and left the group
+
 
 @dataclass(frozen=True)
 class Branch:
@@ -111,6 +113,7 @@ def run_group(requests: list[RunRequest], dataset=None, device: torch.device | N
     finished (a request or branch finished before the call returns nothing).
     """
     def guarded(label, fn, *args):
+        """``fn(*args)``; with ``on_error``, a failure is reported and gives ``FAILED``."""
         if on_error is None:
             return fn(*args)
         try:
@@ -119,18 +122,18 @@ def run_group(requests: list[RunRequest], dataset=None, device: torch.device | N
             raise
         except Exception as exc:  # noqa: BLE001 - one broken run leaves, the others go on
             on_error(label, exc)
-            return None
+            return FAILED
 
     members, now = [], []
     for r in requests:
         got = guarded(r.label if r.label is not None else r.run_dir, _member, r, dataset,
                       device, on_round_end)
-        if got is not None:
+        if got is not FAILED:
             members.append(got[0])
             now += [(got[0], b) for b in got[1]]
     results: list[tuple[object, RunResult]] = []
     members += [b for m, br in now if (b := guarded(br.label, _branch, m, br, dataset, device,
-                                                     log, on_round_end)) is not None]
+                                                     log, on_round_end)) not in (None, FAILED)]
     pad = sum(_clients(m) * (1 + sum(len(v) for v in m.branches.values()))
               for m in members if m.running)
     engine = members[0].fed.cfg.train.engine if members else "vectorized"
@@ -185,7 +188,7 @@ def run_group(requests: list[RunRequest], dataset=None, device: torch.device | N
                    + (share if hits is not None else 0.0) + time.perf_counter() - t_run)
             m.prep = dataclasses.replace(m.prep, state=state)
             if guarded(m.label, m.log.record, rnd, work.plan.stage, state, records,
-                       own) is None and on_error is not None and not _recorded(m, rnd):
+                       own) is FAILED:
                 m.running = False
                 continue
             if rnd >= m.fed.cfg.train.rounds:
@@ -193,7 +196,7 @@ def run_group(requests: list[RunRequest], dataset=None, device: torch.device | N
             # 4. branches fork from the snapshot just written
             for b in m.branches.pop(rnd, []):
                 branch = guarded(b.label, _branch, m, b, dataset, device, log, on_round_end)
-                if branch is not None:
+                if branch not in (None, FAILED):
                     members.append(branch)
     if cuda:
         release_device_caches()
@@ -227,11 +230,6 @@ def evaluate_group(items: list[tuple]) -> dict[int, tuple[torch.Tensor, torch.Te
         for i, (fed, _) in enumerate(members):
             out[id(fed)] = (loss[i], hit[i])
     return out
-
-
-def _recorded(m: _Member, rnd: int) -> bool:
-    """Whether the run's log wrote round ``rnd`` (``RunLog.record`` returns nothing)."""
-    return m.log.last_round == rnd
 
 
 def _clients(m: _Member) -> int:
@@ -363,7 +361,8 @@ def group_for_device(requests: list[RunRequest], dataset,
                      max_runs: int = 64) -> list[list[RunRequest]]:
     """:func:`plan_groups` sized by a probe of the first run's model and its device."""
     from real_data.device import resolve_device
-    from real_data.models import build_model, complete_model_config
+    from real_data.memory import parameter_count
+    from real_data.models import complete_model_config
 
     if not requests:
         return []
@@ -374,8 +373,7 @@ def group_for_device(requests: list[RunRequest], dataset,
         if key not in counts:
             mcfg = complete_model_config(cfg.model.name, cfg.model.params, dataset.input_shape,
                                          dataset.num_classes)
-            counts[key] = sum(p.numel() for p in build_model(cfg.model.name, mcfg, 0)
-                              .parameters())
+            counts[key] = parameter_count(mcfg)
         return counts[key]
 
     first = requests[0].cfg if requests[0].cfg is not None else _saved_config(

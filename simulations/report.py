@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from linattn.fileio import atomic_write_json, atomic_write_text
+from linattn.fileio import atomic_path, atomic_write_json, atomic_write_text
 
 
 def _jsonable(x):
@@ -109,7 +109,8 @@ def _figures(result: dict, out: Path) -> None:
             ax.set_xlabel("T0")
         axes[0, 0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "p1_bias_drift.png", dpi=110)
+    with atomic_path(out / "p1_bias_drift.png") as tmp:
+        fig.savefig(tmp, dpi=110)
     plt.close(fig)
 
     settings = result["settings"]
@@ -128,5 +129,6 @@ def _figures(result: dict, out: Path) -> None:
     for ax in axes.ravel()[n:]:
         ax.axis("off")
     fig.tight_layout()
-    fig.savefig(out / "p2_p5_final_error.png", dpi=110)
+    with atomic_path(out / "p2_p5_final_error.png") as tmp:
+        fig.savefig(tmp, dpi=110)
     plt.close(fig)

@@ -351,7 +351,7 @@ def _run_group(members: list[RunSpec], counts: dict, log) -> None:
             counts["skipped" if status == "completed" else "diverged"] += 1
             continue
         snap = head.run_dir / "checkpoints" / f"round_{m.warmup_rounds}.pt"
-        if not snap.is_file():  # the head diverged before this T0
+        if not snap.is_file():  # the head diverged short of this T0
             log(f"no snapshot for {m.key} ({snap.name} missing): not run")
             counts["failed"] += 1
             continue

@@ -244,3 +244,28 @@ def test_stacked_round_on_the_gpu_agrees_with_runs_alone(tmp_path):
             err = float((delta - ref).norm())
             assert err <= 1e-4 * float(ref.norm()) + 1e-6, (n, err, float(ref.norm()))
         assert torch.allclose(got.data_loss, alone.data_loss, rtol=1e-5)
+
+
+def test_groups_split_by_architecture_and_memory(tmp_path):
+    """Runs of two model sizes go to two groups (never an error); a memory budget splits a
+    group; a run that cannot fit alone is refused naming it and its estimate."""
+    from linattn.errors import UserError
+    from real_data.stacked_runs import estimate_run_bytes, plan_groups
+
+    small = [RunRequest(tmp_path / f"s{i}", _cfg("fedavg")) for i in range(4)]
+    wide = [RunRequest(tmp_path / f"w{i}", tiny_config(*BASE, "model.dim=16", "model.heads=2"))
+            for i in range(2)]
+    params = {8: 1000, 16: 3000}
+
+    def num(cfg):
+        return params[cfg.model.params.dim]
+
+    one = estimate_run_bytes(small[0].cfg, 1000)
+    groups = plan_groups([*small, *wide], num, free_bytes=10**12)
+    assert [[r.run_dir.name for r in g] for g in groups] == [["s0", "s1", "s2", "s3"],
+                                                             ["w0", "w1"]]
+    tight = plan_groups(small, num, free_bytes=int(2 * 2.5 * one))  # room for 2 runs at 50%
+    assert [len(g) for g in tight] == [2, 2]
+    assert [len(g) for g in plan_groups(small, num, free_bytes=10**12, max_runs=3)] == [3, 1]
+    with pytest.raises(UserError, match=r"run .*s0 needs about .* GiB"):
+        plan_groups(small, num, free_bytes=one)
