@@ -44,7 +44,7 @@ if str(ROOT) not in sys.path:  # runnable from a checkout without installing it
 
 from real_data.config import config_to_dict, load_config  # noqa: E402
 from real_data.data.base import Partition, TensorDataset  # noqa: E402
-from real_data.distributed import ShardTrainer, init_from_env  # noqa: E402
+from real_data.distributed import ShardTrainer, close_process_group, init_from_env  # noqa: E402
 from real_data.federation import Federation  # noqa: E402
 
 TINY = ["model.dim=8", "model.mlp_dim=16", "model.depth=1", "model.heads=2", "model.patch=7",
@@ -182,7 +182,7 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(out, indent=1))
         _print(out)
-    dist.destroy_process_group()
+    close_process_group()
 
 
 def _stats(times: list[float]) -> dict:

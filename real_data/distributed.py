@@ -241,13 +241,31 @@ def run_distributed(cfg=None, out: Path | None = None, resume: Path | None = Non
         Rank 0's round hook (as :func:`~real_data.runs.start_run`).
     """
     trainer = init_from_env()
+    finished = False
     try:
+        result = None
         if trainer.rank == 0:
-            return _lead(trainer, cfg, out, resume, on_round_end)
-        _follow(trainer)
-        return None
+            result = _lead(trainer, cfg, out, resume, on_round_end)
+        else:
+            _follow(trainer)
+        finished = True
+        return result
     finally:
-        dist.destroy_process_group()
+        close_process_group(finished)
+
+
+def close_process_group(in_step: bool = True) -> None:
+    """Tear down the default process group; every rank meets at a barrier first when ``in_step``.
+
+    Without the barrier a rank that leaves early closes its gloo pairs while a peer still
+    writes to them, and gloo's worker threads can abort the process at exit. A rank leaving on
+    an error skips the barrier (its peers may never reach it).
+    """
+    if not dist.is_initialized():
+        return
+    if in_step:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def _lead(trainer: ShardTrainer, cfg, out, resume, on_round_end=None):
