@@ -1,10 +1,15 @@
 """Exact population dynamics of two-stage FedAvg (docs/theory.md, eqs. 19-21).
 
 Warm-up (rounds 0..T0-1): every client starts from the global (M_t, V_t), runs K full-batch GD
-steps of size eta on its local objective f_m (exact population gradients, eqs. 7-9), and the
+steps of size eta_t on its local objective f_m (exact population gradients, eqs. 7-9), and the
 server averages with weights p_m (eq. 19). Frozen stage (rounds T0..T-1): M stays M_T0 and V
 follows the affine FedAvg map of eq. (14). The drift-free reference M_bar_t runs the same
 recursion on the pooled objective F (one client, so local steps are centralized GD; eq. 20).
+
+The step size may change from round to round: with a schedule
+(:class:`linattn_theory.schedules.LRSchedule`), round t (1-based) takes
+eta_t = eta * multiplier(t) for all K local steps of every client and of the reference, in both
+stages; without one every round takes eta.
 
 For a whole set of warm-up lengths the warm-up prefix is computed once: the run with warm-up
 T0 shares rounds 0..T0 with every longer one, and only its frozen stage is its own.
@@ -17,9 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from linattn_theory.errors import ParameterError, require
-from linattn_theory.frozen import check_steps, frozen_stages
-from linattn_theory.objectives import gradient_kernel, pooled_terms
+from linattn_theory.frozen import check_steps, frozen_stages, local_value_maps
+from linattn_theory.objectives import gradient_kernel, pooled_terms, value_quadratic
 from linattn_theory.problem import Problem
+from linattn_theory.schedules import step_size_sequence
 
 PARAMETRIZATIONS = ("merged", "factored")
 
@@ -159,9 +165,19 @@ def warmup_paths(problem: Problem, start: InitialPoint, lr: float, local_steps: 
 
 
 def warmup_paths_full(problem: Problem, start: InitialPoint, lr: float, local_steps: int,
-                      rounds: int):
-    """:func:`warmup_paths` plus the reference's values and its pooled H, C, c (eq. 10)."""
+                      rounds: int, step_sizes: np.ndarray | None = None):
+    """:func:`warmup_paths` plus the reference's values and its pooled H, C, c (eq. 10).
+
+    ``step_sizes`` (shape (>= rounds,), from
+    :func:`linattn_theory.schedules.step_size_sequence`) gives round t + 1 the
+    step size ``step_sizes[t]``; ``None`` takes ``lr`` in every round.
+    """
     check_steps(lr, local_steps)
+    if step_sizes is not None:
+        step_sizes = np.asarray(step_sizes, dtype=np.float64)
+        require(step_sizes.ndim == 1 and step_sizes.size >= rounds
+                and bool(np.all(np.isfinite(step_sizes) & (step_sizes >= 0))), "step_sizes",
+                step_sizes, f"a sequence of at least {rounds} finite step sizes >= 0")
     if start.parametrization == "merged":
         params = (start.kernel, start.value)
     else:
@@ -177,13 +193,14 @@ def warmup_paths_full(problem: Problem, start: InitialPoint, lr: float, local_st
         for t in range(rounds):
             for x, y in zip(path, local):
                 y[:] = x[t][:, None]
-            _local_steps(problem, local, 1, lr, local_steps)
+            eta = lr if step_sizes is None else float(step_sizes[t])
+            _local_steps(problem, local, 1, eta, local_steps)
             for x, y in zip(path, local):
                 x[t + 1, 0] = (p @ y[0].reshape(c, -1)).reshape(x.shape[2:])
                 x[t + 1, 1] = y[1, 0]
             if not np.isfinite(path[0][t + 1]).all():
                 raise ParameterError(
-                    f"lr={lr:g} with local_steps={local_steps} diverged in warm-up round "
+                    f"lr={eta:g} with local_steps={local_steps} diverged in warm-up round "
                     f"{t + 1}; lr must be below the stability limit 2/L (see estimate_constants)"
                 )
     if len(path) == 2:
@@ -202,8 +219,9 @@ def warmup_paths_full(problem: Problem, start: InitialPoint, lr: float, local_st
     rises = np.flatnonzero(np.diff(ref_losses) > 1e-9 * np.maximum(1.0, np.abs(ref_losses[:-1])))
     if rises.size:
         t = int(rises[0])
+        eta = lr if step_sizes is None else float(step_sizes[t])
         raise ParameterError(
-            f"lr={lr:g} with local_steps={local_steps} is unstable: the drift-free "
+            f"lr={eta:g} with local_steps={local_steps} is unstable: the drift-free "
             f"reference's F rose from {ref_losses[t]:.6g} to {ref_losses[t + 1]:.6g} in warm-up "
             f"round {t + 1}; lr must be below the stability limit 2/L along the path"
         )
@@ -236,6 +254,11 @@ class DynamicsResult:
         F(M_t, V_t) - Phi* in every round of every run.
     kernels : ndarray, shape (max T0 + 1, d, d)
         FedAvg's global kernels.
+    step_sizes : ndarray, shape (T,)
+        eta_t of rounds 1..T (all eta without a schedule).
+
+    With a schedule, ``frozen_floor`` and ``contraction`` are those of the frozen map at the
+    last round's step size (the last positive one where a schedule ends at 0).
     """
 
     warmup_rounds: np.ndarray
@@ -253,6 +276,7 @@ class DynamicsResult:
     final_error: np.ndarray
     error_curves: np.ndarray
     kernels: np.ndarray
+    step_sizes: np.ndarray | None = None
 
     @property
     def best_warmup(self) -> int:
@@ -265,8 +289,22 @@ def _excess(hessian, optimum, value):
     return 0.5 * np.sum(gap * (hessian @ gap), axis=(-2, -1))
 
 
+def _value_maps(problem: Problem, hessians, linear, lr: float, local_steps: int):
+    """Abar and b of eq. (14) for client Hessians/linear terms (N, C, ...) at step ``lr``
+    (eta = 0: the identity map)."""
+    n, c, d = hessians.shape[0], problem.num_clients, problem.dim
+    if lr == 0:
+        return np.broadcast_to(np.eye(d), (n, d, d)), np.zeros((n, d, problem.out_dim))
+    a, b = local_value_maps(hessians, lr, local_steps, problem.ridge)
+    p = problem.weights
+    transition = (p @ a.reshape(n, c, d * d)).reshape(n, d, d)
+    offset = (p @ (b @ linear).reshape(n, c, -1)).reshape(n, d, -1)
+    return transition, offset
+
+
 def population_dynamics(problem: Problem, start: InitialPoint, lr: float, local_steps: int,
-                        total_rounds: int, warmup_rounds, phi_star: float) -> DynamicsResult:
+                        total_rounds: int, warmup_rounds, phi_star: float,
+                        lr_schedule=None) -> DynamicsResult:
     """Run warm-up then frozen stage for every T0 in ``warmup_rounds`` (eqs. 19-21).
 
     Parameters
@@ -282,6 +320,10 @@ def population_dynamics(problem: Problem, start: InitialPoint, lr: float, local_
         T0 values, each in [0, T].
     phi_star : float
         Phi* (from :func:`linattn_theory.profile.solve_profile`).
+    lr_schedule : LRSchedule, mapping, str or None
+        Round t takes eta_t = ``lr`` * multiplier(t)
+        (:func:`linattn_theory.schedules.step_size_sequence`); ``None`` (the default) or
+        ``constant`` give the constant-eta dynamics, number for number.
     """
     require(isinstance(total_rounds, int | np.integer) and total_rounds >= 1, "total_rounds",
             total_rounds, "an integer T >= 1")
@@ -292,8 +334,9 @@ def population_dynamics(problem: Problem, start: InitialPoint, lr: float, local_
     require(bool(np.all((t0s >= 0) & (t0s <= total_rounds))), "warmup_rounds", t0s.tolist(),
             f"integers in [0, total_rounds={total_rounds}]")
     horizon = int(t0s.max())
+    etas = step_size_sequence(lr, total_rounds, lr_schedule)
     kernels, values, ref_kernels, _, (ref_hess, ref_lin, ref_const) = warmup_paths_full(
-        problem, start, lr, local_steps, horizon)
+        problem, start, lr, local_steps, horizon, etas)
 
     # per-round kernel quantities along the shared warm-up prefix (eq. 10)
     ref_phi = ref_const - 0.5 * np.sum(ref_lin * np.linalg.solve(ref_hess, ref_lin), axis=(1, 2))
@@ -307,9 +350,25 @@ def population_dynamics(problem: Problem, start: InitialPoint, lr: float, local_
 
     # frozen stage for every T0 at once: stack the maps of eq. (14) for kernels M_T0
     hess, optimum = hess_all[t0s], opt_all[t0s]
-    stage = frozen_stages(problem, kernels[t0s], lr, local_steps, hess, optimum)
-    transition, offset = stage.transition, stage.offset
+    if etas is None:
+        last_eta = lr
+    else:
+        positive = etas[etas > 0]
+        last_eta = float(positive[-1]) if positive.size else lr
+    stage = frozen_stages(problem, kernels[t0s], last_eta, local_steps, hess, optimum)
     floor, contraction = stage.floor, stage.contraction
+    if etas is None:
+        def maps_at(t):
+            return stage.transition, stage.offset
+    else:  # one map per distinct step size, for every T0's kernel (eq. 14 at eta_t)
+        client_h, client_lin, _ = value_quadratic(problem, kernels[t0s][:, None])
+        maps: dict[float, tuple] = {}
+
+        def maps_at(t):
+            eta = float(etas[t])
+            if eta not in maps:
+                maps[eta] = _value_maps(problem, client_h, client_lin, eta, local_steps)
+            return maps[eta]
 
     n_runs, horizon_t = t0s.size, int(total_rounds)
     curves = np.full((n_runs, horizon_t + 1), np.nan)
@@ -319,6 +378,7 @@ def population_dynamics(problem: Problem, start: InitialPoint, lr: float, local_
     kernel_err = phi_path[t0s] - phi_star
     for t in range(int(t0s.min()), horizon_t):
         active = t0s <= t
+        transition, offset = maps_at(t)
         if active.all():
             v = transition @ v + offset
             curves[:, t + 1] = kernel_err + _excess(hess, optimum, v)
@@ -349,4 +409,5 @@ def population_dynamics(problem: Problem, start: InitialPoint, lr: float, local_
         final_error=kernel_err + value_err,
         error_curves=curves,
         kernels=kernels,
+        step_sizes=np.full(horizon_t, float(lr)) if etas is None else etas.copy(),
     )

@@ -155,6 +155,33 @@ class PlateauState:
         return self.multiplier
 
 
+FIXED_KINDS = ("constant", "step", "cosine", "exponential")
+
+
+def step_size_sequence(lr: float, total_rounds: int, lr_schedule=None,
+                       key: str = "lr_schedule") -> np.ndarray | None:
+    """eta_t = lr * multiplier(t) for rounds t = 1..T, shape ``(T,)``, or ``None`` where every
+    round takes ``lr`` (no schedule, or one whose multipliers are all 1, such as ``constant``).
+
+    ``lr_schedule`` is an :class:`LRSchedule`, a mapping or a kind name
+    (:func:`schedule_from_dict`). It is checked against ``lr`` and ``T`` (errors name
+    ``key.<field>``). Only kinds fixed in advance are allowed (:data:`FIXED_KINDS`):
+    ``plateau`` cuts on measured validation losses, which the population dynamics and the
+    simulator's T0 sweep do not have.
+    """
+    if lr_schedule is None:
+        return None
+    if not isinstance(lr_schedule, LRSchedule):
+        lr_schedule = schedule_from_dict(lr_schedule, key)
+    lr_schedule.check(lr, total_rounds, key)
+    if lr_schedule.kind not in FIXED_KINDS:
+        raise ParameterError(f"{key}.kind={lr_schedule.kind!r} is not allowed here; {key}.kind "
+                             f"must be one of {', '.join(FIXED_KINDS)} (a plateau schedule "
+                             "cuts on measured validation losses)")
+    etas = lr * lr_schedule.multipliers(lr, total_rounds)
+    return None if bool(np.all(etas == lr)) else etas
+
+
 def schedule_from_dict(data: dict | str | None, key: str = "lr_schedule") -> LRSchedule:
     """A schedule from a mapping (``{kind: step, milestones: [0.75], factor: 0.1}``) or a kind
     name; unknown fields name ``key.<field>``."""
