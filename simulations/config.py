@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass, field, fields
 
 from linattn.configio import load_yaml, parse_overrides
 from linattn.errors import ConfigError
+from linattn_theory.errors import ParameterError
+from linattn_theory.schedules import step_size_sequence
 
 
 def _check(condition: bool, key: str, value, allowed: str) -> None:
@@ -61,7 +63,10 @@ class ProblemConfig:
 @dataclass(frozen=True)
 class TrainingConfig:
     """Two-stage FedAvg: eta, K, B, T, the T0 values, parametrization, attention, participation
-    fraction and the start (scale, seed) of ``linattn_theory.dynamics.initial_point``."""
+    fraction, the start (scale, seed) of ``linattn_theory.dynamics.initial_point`` and the
+    step-size schedule: ``lr_schedule`` is a kind name or a mapping of
+    ``linattn_theory.schedules.LRSchedule`` fields (``{kind: step, milestones: [0.75],
+    factor: 0.1}``); round t takes eta_t = lr * multiplier(t); null: eta in every round."""
 
     lr: float = 0.1
     local_steps: int = 5
@@ -74,6 +79,7 @@ class TrainingConfig:
     participation: float = 1.0
     init_scale: float = 0.3
     init_seed: int = 1
+    lr_schedule: dict | str | None = None
 
     def __post_init__(self):
         _check(self.lr > 0, "training.lr", self.lr, "> 0")
@@ -93,6 +99,11 @@ class TrainingConfig:
         _check(self.init_scale > 0, "training.init_scale", self.init_scale,
                "> 0 (M = 0 is a stationary point)")
         _check(self.init_seed >= 0, "training.init_seed", self.init_seed, ">= 0")
+        try:
+            step_size_sequence(self.lr, self.total_rounds, self.lr_schedule,
+                               key="training.lr_schedule")
+        except ParameterError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -144,6 +155,10 @@ _CLASSES = {"problem": ProblemConfig, "training": TrainingConfig, "data": DataCo
 
 def _coerce(key: str, value, annotation):
     """Check ``value`` against a field annotation (as a string); returns the coerced value."""
+    if annotation == "dict | str | None":  # a schedule: checked by its section
+        _check(value is None or isinstance(value, dict | str), key, value,
+               "a kind name, a mapping or null")
+        return value
     hint = {"int": int, "float": float, "str": str, "list[int]": list[int],
             "int | None": int | None, "float | None": float | None}[annotation]
     if isinstance(hint, types.UnionType):

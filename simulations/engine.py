@@ -19,6 +19,10 @@ The T0 sweep shares its warm-up prefix: the frozen run with warm-up T0 starts fr
 model of round T0 and, from then on, trains V only (M fixed) on the same minibatch draws as
 every other run of its seed. A run with warm-up T0 is therefore identical, number for number,
 to a standalone run with that T0 (tests/simulations hold this against :mod:`simulations.loop`).
+
+A setting's ``lr_schedule`` (:class:`linattn_theory.schedules.LRSchedule`) makes round t
+(1-based) take eta_t = lr * multiplier(t) for every local step, in both stages and for the
+reference; runs of one group may have different schedules.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 
 from linattn_theory.dynamics import initial_point
 from linattn_theory.problem import Problem
+from linattn_theory.schedules import step_size_sequence
 from simulations.data import ROLE_PARTICIPATION, ROLE_SAMPLING, role_rng
 from simulations.divergence import describe, diverged_runs
 from simulations.group import RunGroup, float64_tensor
@@ -77,6 +82,9 @@ class Setting:
         parametrization, rank, init_seed)``, shared by all Monte Carlo seeds.
     label : str
         A name for reports.
+    lr_schedule : LRSchedule, mapping, str or None
+        Round t takes eta_t = lr * multiplier(t) (``None``: eta in every round); kinds fixed in
+        advance only (``linattn_theory.schedules.step_size_sequence``).
     """
 
     problem: Problem
@@ -95,6 +103,12 @@ class Setting:
     init_seed: int = 1
     label: str = ""
     extra: dict = field(default_factory=dict)
+    lr_schedule: object = None
+
+    def step_sizes(self) -> np.ndarray:
+        """eta_t of rounds 1..T, shape (T,)."""
+        etas = step_size_sequence(self.lr, self.total_rounds, self.lr_schedule)
+        return np.full(self.total_rounds, float(self.lr)) if etas is None else etas
 
     def start(self):
         return initial_point(self.problem, self.init_scale, self.parametrization, self.rank,
@@ -187,6 +201,15 @@ def _simulate_group(settings: list[Setting], seeds: list[int]) -> list[SimResult
     d, dy = first.problem.dim, first.problem.out_dim
     index, chosen = _draw_streams(settings, seeds)
     seed_of = torch.as_tensor(group.run_seed)
+    if all(step_size_sequence(s.lr, t_total, s.lr_schedule) is None for s in settings):
+        def lr_at(t):
+            return group.lr
+    else:
+        etas = float64_tensor(np.stack([s.step_sizes() for s in settings], axis=1))  # (T, S)
+        run_setting = torch.as_tensor(group.run_setting)
+
+        def lr_at(t):
+            return etas[t, run_setting]  # (R,) eta_{t+1} of every run
 
     def weights_at(t):
         mask = chosen[t][seed_of] * group.weights
@@ -215,7 +238,8 @@ def _simulate_group(settings: list[Setting], seeds: list[int]) -> list[SimResult
         kernels[:, t], values[:, t], ref_kernels[:, t] = kernel_of(glob), glob[-1], kernel_of(ref)
         test_loss[:, t] = _test_loss(group, test, kernel_of(glob), glob[-1])
         if t < horizon:
-            glob, ref, norms = _warmup_round(group, glob, ref, batches_at(t), weights_at(t))
+            glob, ref, norms = _warmup_round(group, glob, ref, batches_at(t), weights_at(t),
+                                             lr_at(t))
             grad_first[:, t], grad_last[:, t] = norms
 
     # 2. frozen stage of every T0: V only, M = M_T0, on the same minibatch draws
@@ -227,7 +251,8 @@ def _simulate_group(settings: list[Setting], seeds: list[int]) -> list[SimResult
         frozen_hist[:, j, t0] = value
         feats = _frozen_features(group, kernel)  # (rows * C * N, d) per run: (R, C, N, d)
         for t in range(int(t0), t_total):
-            value = _frozen_round(group, feats, index[t][seed_of], value, weights_at(t))
+            value = _frozen_round(group, feats, index[t][seed_of], value, weights_at(t),
+                                  lr_at(t))
             frozen_hist[:, j, t + 1] = value
         frozen_test[:, j] = _test_loss(group, test, kernel, value)
 
@@ -243,8 +268,9 @@ def _simulate_group(settings: list[Setting], seeds: list[int]) -> list[SimResult
     return out
 
 
-def _warmup_round(group, glob, ref, batches, agg):
-    """One FedAvg round (copy 0) and one reference round (copy 1) for every run.
+def _warmup_round(group, glob, ref, batches, agg, lr):
+    """One FedAvg round (copy 0) and one reference round (copy 1) for every run, at the
+    runs' step sizes ``lr`` (R,).
 
     Returns the new global model, the new reference and the p-weighted mean gradient norms
     of the participating clients at the first and the last local step.
@@ -255,7 +281,6 @@ def _warmup_round(group, glob, ref, batches, agg):
     local = [torch.stack([g.unsqueeze(1).expand(-1, c, *g.shape[1:]),
                           r.unsqueeze(1).expand(-1, c, *r.shape[1:])], dim=1).clone()
              for g, r in zip(glob, ref)]
-    lr = group.lr
     ridge, kridge = _expand(group.ridge, 5), _expand(group.kernel_ridge, 5)
     norms = [None, None]
     for k, batch in enumerate(batches):
@@ -308,8 +333,9 @@ def _frozen_features(group, kernel, chunk: int = 8):
     return torch.cat(out)
 
 
-def _frozen_round(group, feats, index, value, agg):
-    """One frozen-stage round (V only, M fixed); value (R, d, d_y) -> new global value.
+def _frozen_round(group, feats, index, value, agg, lr):
+    """One frozen-stage round (V only, M fixed) at step sizes ``lr`` (R,); value (R, d, d_y)
+    -> new global value.
 
     feats (R, C, N, d + d_y) are the fixed features u_i packed with the labels y_i;
     index (R, K, C, B) the minibatches.
@@ -320,7 +346,7 @@ def _frozen_round(group, feats, index, value, agg):
     rows = feats.reshape(-1, feats.shape[-1]).index_select(0, (base + index).reshape(-1))
     rows = rows.reshape(*index.shape, -1)  # (R, K, C, B, d + d_y)
     local = value.unsqueeze(1).expand(-1, c, -1, -1).clone()  # (R, C, d, d_y)
-    ridge, lr = _expand(group.ridge, 4), _expand(group.lr, 4)
+    ridge, lr = _expand(group.ridge, 4), _expand(lr, 4)
     for k in range(index.shape[1]):
         u, y = rows[:, k, ..., :d], rows[:, k, ..., d:]  # (R, C, B, d), (R, C, B, d_y)
         res = torch.matmul(u, local) - y

@@ -87,7 +87,8 @@ def _client_slice(data, m):
 
 
 def run_single(setting: Setting, seed: int, warmup_rounds: int) -> LoopRun:
-    """Simulate one run with warm-up ``warmup_rounds`` by plain loops."""
+    """Simulate one run with warm-up ``warmup_rounds`` by plain loops (round t at eta_t of
+    the setting's schedule)."""
     prob = setting.problem
     c, k_steps, bsz = prob.num_clients, setting.local_steps, setting.batch_size
     data = sample_client_data(prob, setting.samples_per_client, seed, ROLE_DATA,
@@ -106,7 +107,9 @@ def run_single(setting: Setting, seed: int, warmup_rounds: int) -> LoopRun:
 
     kernels, values, ref_kernels = [kernel(glob)], [glob[-1].copy()], [kernel(ref)]
     frozen_m, frozen = None, []
+    etas = setting.step_sizes()  # eta_t of rounds 1..T
     for t in range(setting.total_rounds):
+        eta = float(etas[t])
         draws = sampling.integers(0, setting.samples_per_client, size=(k_steps, c, bsz))
         chosen = joining.permutation(c)[: setting.participants]
         weights = np.zeros(c)
@@ -120,7 +123,7 @@ def run_single(setting: Setting, seed: int, warmup_rounds: int) -> LoopRun:
                 for k in range(k_steps):
                     grads = _gradients(local, clients[m], draws[k, m], setting.attention, lam,
                                        lam_m)
-                    local = [x - setting.lr * g for x, g in zip(local, grads)]
+                    local = [x - eta * g for x, g in zip(local, grads)]
                 for acc, x in zip(new, local):
                     acc += weights[m] * x
             for k in range(k_steps):  # reference: centralized SGD on the pooled minibatch
@@ -130,7 +133,7 @@ def run_single(setting: Setting, seed: int, warmup_rounds: int) -> LoopRun:
                                        lam_m)
                     for acc, g in zip(pooled, grads):
                         acc += p[m] * g
-                ref = [x - setting.lr * g for x, g in zip(ref, pooled)]
+                ref = [x - eta * g for x, g in zip(ref, pooled)]
             glob = new
             kernels.append(kernel(glob))
             values.append(glob[-1].copy())
@@ -142,7 +145,7 @@ def run_single(setting: Setting, seed: int, warmup_rounds: int) -> LoopRun:
                 for k in range(k_steps):
                     (gv,) = _gradients(local, clients[m], draws[k, m], setting.attention, lam,
                                        lam_m, value_only=True)
-                    local[1] = local[1] - setting.lr * gv
+                    local[1] = local[1] - eta * gv
                 value += weights[m] * local[1]
             frozen.append(value)
     if frozen_m is None:

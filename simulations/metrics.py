@@ -164,7 +164,8 @@ def population(setting, star: float | None = None) -> DynamicsResult:
     """The exact population dynamics of a setting (``linattn_theory.population_dynamics``)."""
     star = phi_star(setting.problem) if star is None else star
     return population_dynamics(setting.problem, setting.start(), setting.lr, setting.local_steps,
-                               setting.total_rounds, list(setting.warmup_rounds), star)
+                               setting.total_rounds, list(setting.warmup_rounds), star,
+                               lr_schedule=setting.lr_schedule)
 
 
 def mean_se(x: np.ndarray, axis: int = 0):

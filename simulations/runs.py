@@ -50,7 +50,8 @@ def setting_from_config(cfg: SimConfig, problem=None) -> Setting:
                    samples_per_client=d.samples_per_client, test_samples=d.test_samples,
                    parametrization=t.parametrization, rank=t.rank, attention=t.attention,
                    participation=t.participation, init_scale=t.init_scale,
-                   init_seed=t.init_seed, label=cfg.simulation.name)
+                   init_seed=t.init_seed, label=cfg.simulation.name,
+                   lr_schedule=t.lr_schedule)
 
 
 def provenance() -> dict:
