@@ -78,8 +78,15 @@ class PartitionConfig:
     alpha: float = 0.5
     min_size: int = 10
     classes_per_client: int = 2
+    validation_fraction: float | None = None  # share of each client's samples held out
 
     def __post_init__(self) -> None:
+        vf = self.validation_fraction
+        if vf is not None and (isinstance(vf, bool) or not isinstance(vf, (int, float))
+                               or not 0 < vf <= 0.5):
+            raise ConfigError(f"partition.validation_fraction={vf!r} must be in (0, 0.5] (the "
+                              "share of each client's training samples held out for "
+                              "validation), or null for no validation split")
         if self.alpha <= 0:
             raise ConfigError(f"partition.alpha={self.alpha} must be > 0")
         if self.num_clients < 1:
@@ -156,11 +163,13 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """Evaluation schedule; ``clients`` adds per-client local-test metrics."""
+    """Evaluation schedule; ``clients`` adds per-client local-test metrics; ``test: false``
+    evaluates the validation split only (tuning runs never read the test set)."""
 
     every: int = 1
     batch_size: int = 1024
     clients: bool = True
+    test: bool = True
 
     def __post_init__(self) -> None:
         if self.every < 1:

@@ -124,6 +124,13 @@ class Federation:
             dataset, self.device, self.dtype)
         self.partition = partition
         self.sizes = torch.as_tensor(partition.sizes, dtype=torch.float64)
+        # the pooled validation split (every client's held-out training samples), if any
+        self.x_val, self.y_val = _validation_data(partition, self.x_train, self.y_train)
+        if not cfg.eval.test and self.x_val is None:
+            from linattn.errors import ConfigError
+
+            raise ConfigError("eval.test=false leaves nothing to evaluate: set "
+                              "partition.validation_fraction (for example 0.1) or eval.test=true")
         mcfg = complete_model_config(cfg.model.name, cfg.model.params, dataset.input_shape,
                                      dataset.num_classes)
         self.model = build_model(cfg.model.name, mcfg, cfg.role_seed("training"), self.dtype)
@@ -211,8 +218,9 @@ class Federation:
         """3-5. The server update, the round's diagnostics and evaluation, from the clients'
         results (``ClientResults`` of this process, or a trainer's :class:`TrainedRound`).
 
-        ``evaluator(new_state) -> (loss, hit)``: the global model's per-sample test loss and
-        accuracy computed elsewhere (a stacked group evaluates its runs in one pass)."""
+        ``evaluator(new_state) -> {split: (loss, hit)}``: the global model's per-sample loss
+        and accuracy on ``"test"`` and/or ``"val"`` computed elsewhere (a stacked group
+        evaluates its runs in one pass); a split it leaves out is evaluated here."""
         new_state, pending = self.update_round(state, rnd, work, trained)
         return new_state, self.round_records(new_state, pending, evaluator)
 
@@ -263,7 +271,8 @@ class Federation:
         plateau = state.plateau
         if self._multipliers is not None and t.schedule.kind == "plateau":
             plateau = dataclasses.replace(plateau or PlateauState())
-            plateau.observe(g["train_loss"], t.schedule)
+            if self.x_val is None:  # with a validation split it observes val_loss instead
+                plateau.observe(g["train_loss"], t.schedule)
         new_state = FedState(rnd, new_params, state.client_state, state.server_state,
                              float(results.grad_norm_last.mean()), plateau)
         g["lr"] = work.lr
@@ -278,6 +287,8 @@ class Federation:
             g_eval, per_client = self.evaluate(new_state, evaluator)
             g.update(g_eval)
             records += [(rnd, str(m), "local_test_acc", a) for m, a in per_client.items()]
+            if new_state.plateau is not None and self.x_val is not None:
+                new_state.plateau.observe(g_eval["val_loss"], self.cfg.train.schedule)
         g.update(extra)
         return records + [(rnd, "global", k, v) for k, v in sorted(g.items())]
 
@@ -324,23 +335,36 @@ class Federation:
         """Whether round ``rnd`` ends with an evaluation (``eval.every``, and the last)."""
         return rnd % self.cfg.eval.every == 0 or rnd == self.cfg.train.rounds
 
+    def eval_splits(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The splits an evaluation reads: ``"val"`` (the pooled validation split, if the
+        partition has one) and ``"test"`` (unless ``eval.test`` is false)."""
+        out = {}
+        if self.x_val is not None:
+            out["val"] = (self.x_val, self.y_val)
+        if self.cfg.eval.test:
+            out["test"] = (self.x_test, self.y_test)
+        return out
+
     def evaluate(self, state: FedState, evaluator=None
                  ) -> tuple[dict[str, float], dict[int, float]]:
-        """Global test loss/accuracy and every client's local test accuracy (``evaluator``:
-        see :meth:`finish_round`)."""
+        """Global validation and test loss/accuracy and every client's local test accuracy
+        (``evaluator``: see :meth:`finish_round`)."""
         algo, bs = self.algorithm, self.cfg.eval.batch_size
 
         def fwd(params):
             return lambda xb: algo.forward(self.model, params, xb)
 
-        if evaluator is None:
-            loss, hit = evaluate(fwd(state.global_params), self.x_test, self.y_test, bs,
-                                 self.autocast)
-        else:
-            loss, hit = evaluator(state)
-        out = {"test_loss": float(loss.mean()), "test_acc": float(hit.mean())}
+        done = {} if evaluator is None else evaluator(state)
+        out: dict[str, float] = {}
+        hit = None
+        for split, (x, y) in self.eval_splits().items():
+            loss, h = done[split] if split in done else evaluate(
+                fwd(state.global_params), x, y, bs, self.autocast)
+            out[f"{split}_loss"], out[f"{split}_acc"] = float(loss.mean()), float(h.mean())
+            if split == "test":
+                hit = h
         per_client: dict[int, float] = {}
-        if self.cfg.eval.clients:
+        if self.cfg.eval.clients and hit is not None:
             hit_np = hit.cpu().numpy()
             sizes = np.array([len(ix) for ix in self.partition.test], dtype=np.float64)
             for m, test_idx in enumerate(self.partition.test):
@@ -382,12 +406,32 @@ def _device_data(dataset, device: torch.device, dtype: torch.dtype) -> tuple:
     if key not in _DATA or _DATA[key][0] is not dataset:
         while len(_DATA) >= 2:
             _DATA.pop(next(iter(_DATA)))
+            _VAL.clear()  # validation copies keep their data set's tensors alive
         data = dataset.to(device)
         floating = data.x_train.is_floating_point()
         cast = (lambda v: v.to(dtype)) if floating else (lambda v: v)
         _DATA[key] = (dataset, (cast(data.x_train), data.y_train, cast(data.x_test),
                                 data.y_test))
     return _DATA[key][1]
+
+
+def _validation_data(partition, x_train: torch.Tensor, y_train: torch.Tensor) -> tuple:
+    """The pooled validation samples on the training tensors' device (``(None, None)`` without
+    a validation split); one copy per partition in this process, so that stacked runs on one
+    partition evaluate them in one pass."""
+    if not partition.has_validation:
+        return None, None
+    idx = partition.val_pooled
+    key = (id(x_train), x_train.dtype, len(idx), hash(idx.tobytes()))
+    if key not in _VAL:
+        while len(_VAL) >= 8:
+            _VAL.pop(next(iter(_VAL)))
+        ix = torch.as_tensor(idx, device=x_train.device)
+        _VAL[key] = (x_train, x_train[ix], y_train[ix])
+    return _VAL[key][1:]
+
+
+_VAL: dict[tuple, tuple] = {}
 
 
 def _check_finite(rnd, ids, objective, params) -> None:

@@ -212,7 +212,8 @@ def summarize(metrics_path: Path) -> dict:
     series = read_global_metrics(metrics_path)
     final = {k: _count(k, v[-1][1]) for k, v in series.items()}
     best = {}
-    for key, better in (("test_acc", max), ("local_acc_mean", max), ("test_loss", min)):
+    for key, better in (("test_acc", max), ("local_acc_mean", max), ("test_loss", min),
+                        ("val_acc", max), ("val_loss", min)):
         if key in series:
             rnd, val = better(series[key], key=lambda rv: rv[1])
             best[key] = {"value": val, "round": rnd}
@@ -221,8 +222,10 @@ def summarize(metrics_path: Path) -> dict:
 
 # (y label, [(metric, legend label), ...]) per panel of curves.png
 PANELS = (("accuracy", (("test_acc", "test, global model"),
+                        ("val_acc", "validation, global model"),
                         ("local_acc_mean", "local test, client mean"))),
           ("loss (cross-entropy)", (("train_loss", "train, clients' mean"),
+                                    ("val_loss", "validation, global model"),
                                     ("test_loss", "test, global model"))))
 STAGE_COLOURS = ("#d6e6f4", "#fbe0c6", "#dcefd6", "#eddcf0", "#f6f0c2", "#e4e4e4")
 

@@ -71,7 +71,9 @@ def make_partition_for(cfg: Config, dataset):
     from real_data.data import make_partition
 
     return make_partition(dataset, cfg.partition.scheme, num_clients=cfg.partition.num_clients,
-                          seed=cfg.role_seed("partition"), **cfg.partition.scheme_params())
+                          seed=cfg.role_seed("partition"),
+                          validation_fraction=cfg.partition.validation_fraction,
+                          **cfg.partition.scheme_params())
 
 
 def resolve(cfg: Config, dataset) -> Config:

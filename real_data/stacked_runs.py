@@ -203,10 +203,12 @@ def run_group(requests: list[RunRequest], dataset=None, device: torch.device | N
     return results
 
 
-def evaluate_group(items: list[tuple]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Per-sample test loss and accuracy of several runs' global models, one stacked forward
-    per minibatch for the runs that share a model, a test set and the plain forward
-    (``{id(federation): (loss, hit)}``); the others are left to their own evaluation."""
+def evaluate_group(items: list[tuple]) -> dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """Per-sample loss and accuracy of several runs' global models on each split they evaluate
+    (:meth:`~real_data.federation.Federation.eval_splits`), one stacked forward per minibatch
+    for the runs that share a model, the split's samples and the plain forward
+    (``{id(federation): {split: (loss, hit)}}``); the rest is left to each run's own
+    evaluation."""
     from real_data.algorithms.base import Algorithm
     from real_data.engines.stacked import supports
     from real_data.metrics import evaluate_stacked
@@ -215,20 +217,21 @@ def evaluate_group(items: list[tuple]) -> dict[int, tuple[torch.Tensor, torch.Te
     for fed, state in items:
         if not (type(fed.algorithm).forward is Algorithm.forward and supports(fed.model)):
             continue
-        key = (id(fed.x_test), type(fed.model), repr(fed.cfg.model.params), fed.autocast,
-               fed.cfg.eval.batch_size)
-        groups.setdefault(key, []).append((fed, state))
-    out = {}
-    for members in groups.values():
+        for split, (x, y) in fed.eval_splits().items():
+            key = (split, id(x), id(y), type(fed.model), repr(fed.cfg.model.params),
+                   fed.autocast, fed.cfg.eval.batch_size)
+            groups.setdefault(key, []).append((fed, state, x, y))
+    out: dict[int, dict] = {}
+    for key, members in groups.items():
         if len(members) < 2:
             continue
-        fed0 = members[0][0]
-        params = {n: torch.stack([s.global_params[n] for _, s in members])
+        fed0, _, x, y = members[0]
+        params = {n: torch.stack([m[1].global_params[n] for m in members])
                   for n in members[0][1].global_params}
-        loss, hit = evaluate_stacked(fed0.model, params, fed0.x_test, fed0.y_test,
-                                     fed0.cfg.eval.batch_size, fed0.autocast)
-        for i, (fed, _) in enumerate(members):
-            out[id(fed)] = (loss[i], hit[i])
+        loss, hit = evaluate_stacked(fed0.model, params, x, y, fed0.cfg.eval.batch_size,
+                                     fed0.autocast)
+        for i, (fed, *_rest) in enumerate(members):
+            out.setdefault(id(fed), {})[key[0]] = (loss[i], hit[i])
     return out
 
 

@@ -21,6 +21,7 @@ _EXPORTS = {
     "SCHEMES": "partition", "make_partition": "partition", "iid": "partition",
     "dirichlet": "partition", "classes": "partition", "natural": "partition",
     "label_counts": "partition", "label_skew": "partition",
+    "carve_validation": "partition", "check_validation_fraction": "partition",
     "save_partition": "partition_io", "load_partition": "partition_io",
     "check_partition": "partition_io", "plot_partition": "partition_io",
     "SOURCES": "store", "data_root": "store",

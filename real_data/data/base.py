@@ -80,6 +80,10 @@ class Partition:
         The scheme's parameters (``alpha``, ``classes_per_client``, ``min_size``, ...).
     seed : int
         The partition seed; the same seed gives the same partition.
+    val : tuple of np.ndarray
+        ``val[m]`` indexes client m's validation samples in ``x_train``, carved from its
+        training data and disjoint from ``train[m]`` (``partition.validation_fraction``);
+        empty when the partition has no validation split.
     """
 
     train: tuple[np.ndarray, ...]
@@ -87,6 +91,17 @@ class Partition:
     scheme: str
     params: dict
     seed: int
+    val: tuple[np.ndarray, ...] = ()
+
+    @property
+    def has_validation(self) -> bool:
+        return bool(self.val) and sum(len(v) for v in self.val) > 0
+
+    @property
+    def val_pooled(self) -> np.ndarray:
+        """Every client's validation indices, concatenated in client order."""
+        return (np.concatenate(self.val).astype(np.int64) if self.val
+                else np.empty(0, np.int64))
 
     @property
     def num_clients(self) -> int:

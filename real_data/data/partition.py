@@ -22,8 +22,16 @@ samples (capped at what exists). Clients' test sets are drawn independently and 
 evaluation only reads them. For text data (no class labels) the draw is uniform; ``natural``
 uses each role's own test part.
 
-Seeds: ``seed`` feeds one ``np.random.SeedSequence`` spawned into a training stream and a
-test stream, so changing ``test_size`` leaves the training partition unchanged.
+Validation splits. ``validation_fraction=f`` (in (0, 0.5]) moves ``round(f n_m)`` of client
+m's training samples (at least 1, and at least 1 left for training) into its validation split
+``val[m]``, drawn uniformly from its own samples, so the validation data follow each client's
+own mix and the pooled validation set follows the federation's. The local test split is drawn
+from the client's full training mix first, so adding a validation split changes neither the
+test splits nor which samples a client holds in all.
+
+Seeds: ``seed`` feeds one ``np.random.SeedSequence`` spawned into a training stream, a test
+stream and a validation stream, so changing ``test_size`` or ``validation_fraction`` leaves the
+others unchanged.
 """
 
 from __future__ import annotations
@@ -210,6 +218,40 @@ def _streams(seed: int) -> tuple[np.random.Generator, np.random.Generator]:
     return np.random.default_rng(train), np.random.default_rng(test)
 
 
+def check_validation_fraction(fraction, key: str = "validation_fraction") -> float:
+    """``fraction`` as a float in (0, 0.5], else a DataError naming ``key``."""
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float, np.floating)) \
+            or not np.isfinite(fraction) or not 0 < fraction <= 0.5:
+        raise DataError(f"{key}={fraction!r} must be a number in (0, 0.5] (the share of each "
+                        "client's training samples held out for validation)")
+    return float(fraction)
+
+
+def carve_validation(partition: Partition, fraction: float) -> Partition:
+    """``partition`` with ``round(fraction n_m)`` of each client's training samples moved to
+    its validation split (module docstring); deterministic in the partition's seed."""
+    fraction = check_validation_fraction(fraction)
+    if partition.has_validation:
+        raise DataError("the partition already has a validation split")
+    # third child of the partition's seed sequence: the train and test streams are unchanged
+    rng = np.random.default_rng(np.random.SeedSequence(int(partition.seed)).spawn(3)[2])
+    train, val = [], []
+    for m, part in enumerate(partition.train):
+        n = len(part)
+        if n < 2:
+            raise DataError(f"client {m} holds {n} training sample(s); a validation split "
+                            "needs at least 2 per client (lower partition.num_clients or "
+                            "raise partition.min_size)")
+        k = min(max(1, int(round(fraction * n))), n - 1)
+        chosen = np.zeros(n, dtype=bool)
+        chosen[rng.choice(n, size=k, replace=False)] = True
+        train.append(np.asarray(part[~chosen], np.int64))
+        val.append(np.sort(np.asarray(part[chosen], np.int64)))
+    params = {**partition.params, "validation_fraction": fraction}
+    return Partition(tuple(train), partition.test, partition.scheme, params, partition.seed,
+                     tuple(val))
+
+
 def _finish(dataset, parts, scheme, params, seed, rng_test, test_size) -> Partition:
     y_train, y_test = _labels(dataset, scheme)
     test = local_test_indices(parts, y_train, y_test, len(dataset.x_test), rng_test, test_size)
@@ -291,8 +333,16 @@ SCHEMES: dict[str, Callable[..., Partition]] = {
 
 
 def make_partition(dataset: TensorDataset, scheme: str, num_clients: int | None, seed: int,
-                   **params) -> Partition:
-    """Partition ``dataset`` with a registered scheme; unknown names and options are errors."""
+                   validation_fraction: float | None = None, **params) -> Partition:
+    """Partition ``dataset`` with a registered scheme; unknown names and options are errors.
+
+    ``validation_fraction``: hold out that share of each client's training samples as its
+    validation split (:func:`carve_validation`); ``None`` keeps no validation split.
+    """
+    if validation_fraction is not None:
+        check_validation_fraction(validation_fraction)
+        return carve_validation(make_partition(dataset, scheme, num_clients, seed, **params),
+                                validation_fraction)
     if scheme not in SCHEMES:
         raise DataError(f"unknown partition scheme {scheme!r}; valid schemes: "
                         f"{', '.join(SCHEMES)}")

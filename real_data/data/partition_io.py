@@ -45,11 +45,16 @@ def save_partition(partition: Partition, path: str | os.PathLike) -> Path:
         raise DataError(f"partition params must be JSON values ({exc})") from exc
     train, train_offsets = _pack(partition.train)
     test, test_offsets = _pack(partition.test)
+    val = {}
+    if partition.val:
+        val["val"], val["val_offsets"] = _pack(partition.val)
     with atomic_path(path) as part:
         np.savez_compressed(part, train=train, train_offsets=train_offsets, test=test,
-                            test_offsets=test_offsets, meta=np.array(meta_json))
+                            test_offsets=test_offsets, meta=np.array(meta_json), **val)
     readable = {**meta, "train_sizes": partition.sizes.tolist(),
                 "test_sizes": [len(t) for t in partition.test]}
+    if partition.val:
+        readable["val_sizes"] = [len(v) for v in partition.val]
     atomic_write_text(path.with_suffix(".json"),
                       json.dumps(readable, indent=1, sort_keys=True) + "\n")
     return path
@@ -68,26 +73,29 @@ def load_partition(path: str | os.PathLike) -> Partition:
         raise DataError(f"partition file {path} does not exist")
     try:
         with np.load(path, allow_pickle=False) as z:
-            arrays = {k: z[k] for k in ("train", "train_offsets", "test", "test_offsets")}
+            arrays = {k: z[k] for k in ("train", "train_offsets", "test", "test_offsets")
+                      + (("val", "val_offsets") if "val" in z.files else ())}
             meta = json.loads(str(z["meta"]))
     except (OSError, KeyError, ValueError, zipfile.BadZipFile) as exc:
         raise DataError(f"{path} is not a partition file ({exc})") from exc
     if meta.get("format") != FORMAT:
         raise DataError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
-    for split in ("train", "test"):
+    for split in ("train", "test") + (("val",) if "val" in arrays else ()):
         offsets = arrays[f"{split}_offsets"]
         if len(offsets) != meta["num_clients"] + 1 or offsets[-1] != len(arrays[split]) \
                 or np.any(np.diff(offsets) < 0):
             raise DataError(f"{path}: {split} offsets do not match {meta['num_clients']} clients")
+    val = _unpack(arrays["val"], arrays["val_offsets"]) if "val" in arrays else ()
     return Partition(_unpack(arrays["train"], arrays["train_offsets"]),
                      _unpack(arrays["test"], arrays["test_offsets"]),
-                     meta["scheme"], meta["params"], int(meta["seed"]))
+                     meta["scheme"], meta["params"], int(meta["seed"]), val)
 
 
 def check_partition(partition: Partition, dataset: TensorDataset) -> None:
     """Raise DataError unless every index is valid for ``dataset`` and every client has data."""
     for split, parts, n in (("train", partition.train, len(dataset.x_train)),
-                            ("test", partition.test, len(dataset.x_test))):
+                            ("test", partition.test, len(dataset.x_test)),
+                            ("validation", partition.val, len(dataset.x_train))):
         for m, idx in enumerate(parts):
             if len(idx) and (idx.min() < 0 or idx.max() >= n):
                 raise DataError(f"partition client {m} has {split} indices outside "
@@ -98,6 +106,13 @@ def check_partition(partition: Partition, dataset: TensorDataset) -> None:
         raise DataError(f"partition clients {empty[:10]} have no training samples")
     if len(np.unique(np.concatenate(partition.train))) != int(partition.sizes.sum()):
         raise DataError("partition clients share training samples")
+    if partition.val:
+        if len(partition.val) != partition.num_clients:
+            raise DataError(f"partition has {len(partition.val)} validation splits for "
+                            f"{partition.num_clients} clients")
+        held = np.concatenate([*partition.train, *partition.val])
+        if len(np.unique(held)) != len(held):
+            raise DataError("partition validation samples overlap training samples")
 
 
 def plot_partition(partition: Partition, labels, num_classes: int | None = None, *,

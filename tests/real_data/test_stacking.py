@@ -3,7 +3,8 @@
 A group of runs that differ in seed, lr, lr schedule, algorithm (FedAvg, FedFrozen's two
 variants with a T0 branch, FedPart, and SCAFFOLD, which cannot share an engine call and trains
 alone inside the group) must write, for every run, the metrics of that run trained alone:
-every (round, client, metric, stage) row present in both, values within 1e-6 (relative, with
+every (round, client, metric, stage) row present in both (validation metrics of the runs
+that share a partition evaluated in one stacked pass), values within 1e-6 (relative, with
 an absolute floor of 1e-9) in float64. A group killed between a round's rows and its checkpoint
 and resumed must end with every run's metrics.csv byte-identical to the uninterrupted group's.
 """
@@ -21,18 +22,18 @@ import pytest
 import torch
 from conftest import REPO, TINY, tiny_config
 
-from real_data.runs import load_data, start_run
+from real_data.runs import load_data, make_partition_for, start_run
 from real_data.stacked_runs import Branch, RunRequest, run_group
 from real_data.stacking import stack_jobs, stackable
 
 BASE = ["train.rounds=4", "partition.num_clients=4", "train.precision=fp64",
         "train.clients_per_round=3"]
 RUNS = {  # name -> overrides
-    "fedavg": ["algorithm.name=fedavg"],
+    "fedavg": ["algorithm.name=fedavg", "partition.validation_fraction=0.2"],
     "fedavg_lr": ["algorithm.name=fedavg", "train.lr=0.03", "seed=1",
                   "train.lr_schedule={kind: step, milestones: [0.5], factor: 0.5}"],
     "frozen_v_T3": ["algorithm.name=fedfrozen", "algorithm.train=v",
-                    "algorithm.warmup_rounds=3"],
+                    "algorithm.warmup_rounds=3", "partition.validation_fraction=0.2"],
     "fedpart": ["algorithm.name=fedpart", "seed=2", "algorithm.warmup_rounds=1",
                 "algorithm.rounds_per_group=1", "algorithm.full_rounds_between=0"],
     "scaffold": ["algorithm.name=scaffold"],
@@ -80,9 +81,21 @@ def test_stacked_group_equals_runs_trained_alone(tmp_path, monkeypatch):
         start_run(_cfg(name), out=alone / name, snapshot_rounds=snaps)
     start_run(_cfg(BRANCH[0]), out=alone / BRANCH[0],
               branch=alone / BRANCH[1] / "checkpoints" / f"round_{BRANCH[2]}.pt")
+    from real_data import metrics
+
+    evals = []
+    evaluate_stacked = metrics.evaluate_stacked
+    monkeypatch.setattr(metrics, "evaluate_stacked",
+                        lambda model, params, x, *a: evals.append(
+                            (len(next(iter(params.values()))), len(x)))
+                        or evaluate_stacked(model, params, x, *a))
     dataset = load_data(_cfg("fedavg"))
     calls.clear()
     results = run_group(_requests(tmp_path / "group"), dataset=dataset, log=lambda s: None)
+    # the validation split of the runs on one partition (fedavg, frozen_v_T3 and its branch)
+    # is evaluated in one stacked pass per round, like the shared test set
+    n_val = len(make_partition_for(_cfg("fedavg"), dataset).val_pooled)
+    assert (2, n_val) in evals and (3, n_val) in evals, evals
     # rounds 1: 4 stackable runs of 3 clients in one call; 2-4: the branch joins (5 runs);
     # SCAFFOLD trains alone (its own 3-client calls)
     assert calls.count(12) == 1 and calls.count(15) == 3 and calls.count(3) == 4, calls
