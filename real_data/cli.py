@@ -205,6 +205,10 @@ def _study(argv: list[str]) -> int:
                     help="train run groups one after another instead of stacking them "
                     "(stacked groups share each round's engine call; same results up to "
                     "rounding)")
+    ap.add_argument("--stage", choices=("tune", "final"),
+                    help="a plan with a tune section: only its tuning runs (every grid point "
+                    "on the tuning seed, scored on validation) or only its final runs (the "
+                    "chosen configurations over every seed); default both, in order")
     args = ap.parse_args(argv)
     if args.max_runs is not None and args.max_runs < 1:
         raise UserError(f"--max-runs {args.max_runs}: must be >= 1")
@@ -221,29 +225,53 @@ def _study(argv: list[str]) -> int:
         if not (n >= 1 and 0 <= k < n):
             raise UserError(f"--shard {args.shard}: needs n >= 1 and 0 <= k < n")
         shard = (k, n)
-    plan = study.load_plan(args.plan, args.out)
-    if args.list:
-        for spec in study.plan_runs(plan):
-            print(f"{study._status(spec.run_dir):>9}  {spec.key}")
-        return 0
+    full = study.load_plan(args.plan, args.out)
+    if args.stage is not None and full.tune is None:
+        raise UserError(f"--stage {args.stage}: plan {full.name} has no tune section")
+    stages = ["plain"] if full.tune is None else (
+        [args.stage] if args.stage else ["tune", "final"])
     failed = 0
-    if not args.aggregate_only:
-        counts = study.run_study(plan, args.slice, args.max_runs, args.budget, shard=shard,
-                                 pretrain_only=args.pretrain_only, deadline_s=args.deadline,
-                                 pending=(args.pending_before
-                                          if args.pending_before is not None
-                                          else args.pending),
-                                 stack=not args.no_stack)
-        print("study:", ", ".join(f"{k} {v}" for k, v in counts.items()))
-        if args.pretrain_only:
-            return 0
-        failed = counts.get("failed", 0)
-    if not args.no_tables:
-        runs = study.run_rows(plan)
-        rows = study.aggregate(plan, runs)
-        for folder in [plan.out_dir / "tables", *([args.export] if args.export else [])]:
-            paths = study.write_tables(rows, folder, runs)
-            print(f"wrote {', '.join(str(p) for p in paths)}")
+    for stage in stages:
+        if stage == "tune":
+            plan = study.tuning_plan(full)
+        elif stage == "final":
+            try:
+                plan = study.final_plan(full)
+            except UserError as exc:  # tuning unfinished: nothing to choose from yet
+                if args.stage == "final":
+                    raise
+                print(f"study: the final stage waits for the tuning runs ({exc})")
+                break
+            print(f"study: chosen configurations in {full.out_dir / study.CHOICES_FILE}")
+        else:
+            plan = full
+        if args.list:
+            for spec in study.plan_runs(plan):
+                print(f"{study._status(spec.run_dir):>9}  {spec.key}")
+            continue
+        if not args.aggregate_only:
+            counts = study.run_study(plan, args.slice, args.max_runs, args.budget, shard=shard,
+                                     pretrain_only=args.pretrain_only,
+                                     deadline_s=args.deadline,
+                                     pending=(args.pending_before
+                                              if args.pending_before is not None
+                                              else args.pending),
+                                     stack=not args.no_stack)
+            print(f"study{'' if stage == 'plain' else ' (' + stage + ')'}:",
+                  ", ".join(f"{k} {v}" for k, v in counts.items()))
+            if args.pretrain_only:
+                continue
+            failed += counts.get("failed", 0)
+        if not args.no_tables and stage != "tune":
+            runs = study.run_rows(plan)
+            rows = study.aggregate(plan, runs)
+            for folder in [plan.out_dir / "tables", *([args.export] if args.export else [])]:
+                paths = study.write_tables(rows, folder, runs)
+                if stage == "final":
+                    paths += study.write_comparison(runs, folder)
+                print(f"wrote {', '.join(str(p) for p in paths)}")
+    if args.list or args.pretrain_only:
+        return 0
     if args.markers is not None:
         print(f"marked {study.write_markers(plan, args.markers)} finished runs in {args.markers}")
     if args.pack is not None:

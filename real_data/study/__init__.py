@@ -43,10 +43,15 @@ rounds-to-best, the accuracy variance over the last rounds, personalized accurac
 gradient-norm jump after aggregation, Q/K kernel deviation from the reference, bytes sent and
 training FLOPs.
 
+A plan with a ``tune`` section and grids runs in two stages: every grid point on a tuning seed
+scored on a validation split, then the chosen configurations over every seed, compared by
+paired intervals and an equivalence test (:mod:`~real_data.study.tuning`).
+
 The parts: :mod:`~real_data.study.plan` (the plan file, its runs and their configs),
-:mod:`~real_data.study.runner` (running, resuming, sharding) and
-:mod:`~real_data.study.tables` (aggregation, tables, archives). This package gathers their
-public names, so ``from real_data import study`` is all a caller needs.
+:mod:`~real_data.study.runner` (running, resuming, sharding),
+:mod:`~real_data.study.tuning` (the tuning stage and the choice) and
+:mod:`~real_data.study.tables` (aggregation, tables, comparisons, archives). This package
+gathers their public names, so ``from real_data import study`` is all a caller needs.
 """
 
 
@@ -58,6 +63,7 @@ from real_data.study.plan import (
     PretrainJob,
     RunSpec,
     Sweep,
+    Tune,
     load_plan,
     plan_runs,
     replace_out,
@@ -76,14 +82,18 @@ from real_data.study.runner import (
 )
 from real_data.study.tables import (
     LAST_ROUNDS,
+    SCORE_LAST,
     aggregate,
+    compare,
     kernel_deviation,
     pack_results,
     paired_differences,
     run_rows,
+    write_comparison,
     write_markers,
     write_tables,
 )
+from real_data.study.tuning import CHOICES_FILE, choose, final_plan, grid_points, tuning_plan
 
 # short names the command line (real_data/cli.py), scripts/cpu_references.py and the tests use
 _key = run_key
@@ -92,8 +102,17 @@ _status = run_status
 _group_cost = group_cost
 
 __all__ = [
+    "CHOICES_FILE",
     "FINAL",
     "LAST_ROUNDS",
+    "SCORE_LAST",
+    "Tune",
+    "choose",
+    "compare",
+    "final_plan",
+    "grid_points",
+    "tuning_plan",
+    "write_comparison",
     "Arm",
     "Plan",
     "PretrainJob",

@@ -26,6 +26,18 @@ class Arm:
     overrides: tuple[str, ...] = ()
     warmup_rounds: tuple[int, ...] = ()
     reference: bool = False
+    grid: tuple[tuple[str, tuple], ...] = ()  # tuned keys and their candidate values
+
+
+@dataclass(frozen=True)
+class Tune:
+    """A plan's tuning stage (:mod:`real_data.study.tuning`): every arm's grid on ``seed``
+    scored on the validation split, then the chosen configurations over the plan's seeds."""
+
+    seed: int = 0
+    last: int = 5  # the score: mean of the last ``last`` evaluations
+    validation_fraction: float = 0.1
+    metric: str = "val_acc"
 
 
 @dataclass(frozen=True)
@@ -36,6 +48,7 @@ class Sweep:
     alphas: tuple[float | None, ...]
     arms: tuple[Arm, ...]
     seeds: tuple[int, ...]
+    grid: tuple[tuple[str, tuple], ...] = ()  # tuned keys shared by every arm of the sweep
 
 
 @dataclass(frozen=True)
@@ -57,6 +70,7 @@ class Plan:
     out_dir: Path
     sweeps: tuple[Sweep, ...]
     pretrain: tuple[PretrainJob, ...] = ()
+    tune: Tune | None = None
 
     def pretrained_path(self, job: PretrainJob) -> Path:
         return inside(self.out_dir, f"pretrained/{job.name}.pt")
@@ -103,19 +117,35 @@ def _mapping(value, where: str, allowed: set[str], required: tuple[str, ...] = (
     return value
 
 
+def _grid(value, where: str) -> tuple[tuple[str, tuple], ...]:
+    """A tuning grid ``{dotted.key: [value, ...]}`` as sorted (key, values) pairs."""
+    _require(isinstance(value, dict), where, "must be a mapping {dotted.key: [values]}, e.g. "
+             "{train.lr: [0.02, 0.05, 0.1]}")
+    out = []
+    for key, values in value.items():
+        _require(isinstance(key, str) and key and "=" not in key, f"{where}", f"key {key!r} "
+                 "must be a dotted config key such as train.lr")
+        _require(isinstance(values, list) and len(values) > 0, f"{where}.{key}",
+                 "must be a non-empty list of values")
+        out.append((key, tuple(values)))
+    return tuple(sorted(out))
+
+
 def _arm(arm, where: str) -> Arm:
-    arm = _mapping(arm, where, {"name", "overrides", "warmup_rounds", "reference"}, ("name",))
+    arm = _mapping(arm, where, {"name", "overrides", "warmup_rounds", "reference", "grid"},
+                   ("name",))
     reference = arm.get("reference", False)
     _require(isinstance(reference, bool), f"{where}.reference", "must be true or false")
     t0s = _ints(arm.get("warmup_rounds", []), f"{where}.warmup_rounds", 0)
     return Arm(check_name(arm["name"], f"{where}.name"),
                _strings(arm.get("overrides", []), f"{where}.overrides"),
-               tuple(sorted(set(t0s), reverse=True)), reference)
+               tuple(sorted(set(t0s), reverse=True)), reference,
+               _grid(arm["grid"], f"{where}.grid") if "grid" in arm else ())
 
 
 def _sweep(sw, where: str, seeds: tuple[int, ...]) -> Sweep:
-    sw = _mapping(sw, where, {"name", "config", "overrides", "alphas", "arms", "seeds"},
-                  ("name", "config", "arms"))
+    sw = _mapping(sw, where, {"name", "config", "overrides", "alphas", "arms", "seeds",
+                              "grid"}, ("name", "config", "arms"))
     _require(isinstance(sw["config"], str) and sw["config"], f"{where}.config",
              "must be a config name or a YAML path")
     alphas = sw.get("alphas", [None])
@@ -134,7 +164,22 @@ def _sweep(sw, where: str, seeds: tuple[int, ...]) -> Sweep:
         _require(bool(seeds), f"{where}.seeds", "must not be empty")
     return Sweep(check_name(sw["name"], f"{where}.name"), sw["config"],
                  _strings(sw.get("overrides", []), f"{where}.overrides"), tuple(alphas), arms,
-                 seeds)
+                 seeds, _grid(sw["grid"], f"{where}.grid") if "grid" in sw else ())
+
+
+def _tune(raw, where: str = "tune") -> Tune:
+    raw = _mapping(raw, where, {"seed", "last", "validation_fraction", "metric"})
+    seed, last = raw.get("seed", 0), raw.get("last", 5)
+    for key, value, low in (("seed", seed, 0), ("last", last, 1)):
+        _require(isinstance(value, int) and not isinstance(value, bool) and value >= low,
+                 f"{where}.{key}", f"must be an integer >= {low}")
+    vf = raw.get("validation_fraction", 0.1)
+    _require(isinstance(vf, int | float) and not isinstance(vf, bool) and 0 < vf <= 0.5,
+             f"{where}.validation_fraction", "must be in (0, 0.5]")
+    metric = raw.get("metric", "val_acc")
+    _require(metric in ("val_acc", "val_loss"), f"{where}.metric",
+             "must be val_acc or val_loss (tuning never reads the test set)")
+    return Tune(int(seed), int(last), float(vf), metric)
 
 
 def _pretrain_job(job, where: str) -> PretrainJob:
@@ -174,7 +219,7 @@ def load_plan(path: Path | str, out_dir: Path | str | None = None) -> Plan:
 
 def _plan(raw, path: Path, out_dir) -> Plan:
     raw = _mapping(raw, "the plan", {"name", "out_dir", "seeds", "sweeps", "pretrain",
-                                     "common_arms"})
+                                     "common_arms", "tune"})
     name = raw.get("name", path.stem)
     _require(isinstance(name, str) and name, "name", "must be a string")
     seeds = _ints(raw.get("seeds", [0]), "seeds", 0)
@@ -191,7 +236,13 @@ def _plan(raw, path: Path, out_dir) -> Plan:
     _require(len(set(names)) == len(names), "pretrain", "job names must be unique")
     given = out_dir if out_dir is not None else raw.get("out_dir", f"runs/study-{name}")
     _require(isinstance(given, str | Path) and str(given), "out_dir", "must be a folder path")
-    return Plan(name, Path(given), sweeps, jobs)
+    tune = _tune(raw["tune"]) if "tune" in raw else None
+    if tune is None:
+        for sw in sweeps:
+            _require(not sw.grid and not any(a.grid for a in sw.arms), f"sweep {sw.name}",
+                     "has a tuning grid but the plan has no 'tune' section; add "
+                     "tune: {seed: 0, last: 5, validation_fraction: 0.1}")
+    return Plan(name, Path(given), sweeps, jobs, tune)
 
 
 def run_key(sweep: str, arm: str, t0, alpha, seed) -> str:

@@ -20,6 +20,7 @@ from real_data.study.plan import Arm, Plan, RunSpec, Sweep, plan_runs, run_key
 from real_data.study.runner import FINAL, run_status
 
 LAST_ROUNDS = 10  # window for the accuracy variance: the last 10 evaluations (eval.every apart)
+SCORE_LAST = 5  # a run's score: the mean test accuracy of its last 5 evaluations
 
 
 def _read_metrics(run_dir: Path) -> dict[str, np.ndarray]:
@@ -69,11 +70,14 @@ def _run_row(spec: RunSpec) -> dict | None:
     summary = json.loads((spec.run_dir / "summary.json").read_text())
     m = _read_metrics(spec.run_dir)
     acc = m.get("test_acc", np.array([np.nan]))
-    best_i = int(np.nanargmax(acc))
+    best_i = int(np.nanargmax(acc)) if np.any(np.isfinite(acc)) else -1
+    val = m.get("val_acc", np.array([np.nan]))
     row = {
         "final_acc": float(acc[-1]),
         "best_acc": float(acc[best_i]),
         "rounds_to_best": int(m["test_acc@rounds"][best_i]) if "test_acc@rounds" in m else 0,
+        "score": float(np.mean(acc[-SCORE_LAST:])),
+        "val_score": float(np.mean(val[-SCORE_LAST:])),
         "last_acc_var": float(np.var(acc[-LAST_ROUNDS:])),
         "personal_acc": float(m["local_acc_micro"][-1]) if "local_acc_micro" in m else np.nan,
         "grad_norm_jump": float(np.nanmean(m["grad_norm_jump"])) if "grad_norm_jump" in m
@@ -115,7 +119,8 @@ def aggregate(plan: Plan, runs: list[dict] | None = None) -> list[dict]:
     for (sweep, arm, t0, alpha), items in cells.items():
         rec = {"sweep": sweep, "arm": arm, "warmup_rounds": t0, "alpha": alpha,
                "n_seeds": len(items), "device": items[0]["device"]}
-        for metric in ("final_acc", "best_acc", "rounds_to_best", "last_acc_var",
+        for metric in ("final_acc", "best_acc", "score", "val_score", "rounds_to_best",
+                       "last_acc_var",
                        "personal_acc", "grad_norm_jump", "bytes_up", "bytes_down",
                        "train_flops", "seconds_per_round"):
             values = np.array([r[metric] for r in items], dtype=np.float64)
@@ -155,6 +160,44 @@ def paired_differences(runs: list[dict], against: str = "fedavg",
         out.append({"sweep": sweep, "arm": arm, "warmup_rounds": t0, "alpha": alpha,
                     "against": against, "metric": metric, "n": int(d.size),
                     "diff_mean": float(d.mean()), "diff_se": se})
+    return out
+
+
+def compare(runs: list[dict], against: str = "fedavg", metric: str = "score",
+            margin: float = 0.01, level: float = 0.95) -> list[dict]:
+    """Paired comparison of every arm with ``against`` per (sweep, T0, alpha), over the seeds
+    both finished: the mean difference of ``metric``, its t interval at ``level``, and the
+    two one-sided tests (TOST) of equivalence within +-``margin`` (accuracy 0.01 = 1 point).
+
+    ``verdict``: ``win`` or ``loss`` when the interval excludes 0; otherwise ``tie`` when TOST
+    rejects a difference of ``margin`` or more at 1 - ``level`` (the (2 level - 1) interval lies
+    inside +-margin); otherwise ``inconclusive`` (too few seeds or too much noise to say).
+    """
+    from scipy import stats
+
+    out = []
+    for cell in paired_differences(runs, against, metric):
+        n = cell["n"]
+        rec = {**cell, "ci_low": None, "ci_high": None, "tost_p": None, "equivalent": None,
+               "verdict": "inconclusive", "margin": margin, "level": level}
+        if n >= 2 and cell["diff_se"] is not None:
+            d, se = cell["diff_mean"], cell["diff_se"]
+            t = stats.t.ppf(0.5 + level / 2, n - 1)
+            rec["ci_low"], rec["ci_high"] = d - t * se, d + t * se
+            if se > 0:
+                p_low = stats.t.sf((d + margin) / se, n - 1)  # H0: diff <= -margin
+                p_high = stats.t.cdf((d - margin) / se, n - 1)  # H0: diff >= +margin
+                rec["tost_p"] = float(max(p_low, p_high))
+            else:
+                rec["tost_p"] = 0.0 if abs(d) < margin else 1.0
+            rec["equivalent"] = rec["tost_p"] < 1 - level
+            if rec["ci_low"] > 0:
+                rec["verdict"] = "win"
+            elif rec["ci_high"] < 0:
+                rec["verdict"] = "loss"
+            elif rec["equivalent"]:
+                rec["verdict"] = "tie"
+        out.append(rec)
     return out
 
 
@@ -239,6 +282,38 @@ def write_tables(rows: list[dict], out_dir: Path, runs: list[dict] | None = None
     atomic_write_text(paths[2], "\n".join(lines) + "\n")
     if runs is not None:
         paths += _write_run_tables(runs, out_dir)
+    return paths
+
+
+def write_comparison(runs: list[dict], out_dir: Path, against: str = "fedavg",
+                     margin: float = 0.01) -> list[Path]:
+    """``comparison.{csv,md}``: :func:`compare` of every arm with ``against`` on the score
+    (mean test accuracy of the last 5 evaluations), paired by seed."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = sorted(compare(runs, against, "score", margin), key=_sort_key)
+    paths = [out_dir / "comparison.csv", out_dir / "comparison.md"]
+    text = io.StringIO()
+    if rows:
+        w = csv.DictWriter(text, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    atomic_write_text(paths[0], text.getvalue())
+
+    def pts(v):
+        return "" if v is None else f"{100 * v:+.2f}"
+
+    lines = [f"Score: mean test accuracy of the last {SCORE_LAST} evaluations. Difference to "
+             f"{against} in points, paired by seed, 95% t interval; tie = equivalent within "
+             f"+-{100 * margin:g} point by two one-sided tests at 5%.", "",
+             "| sweep | alpha | arm | T0 | n | diff (pts) | 95% CI | TOST p | verdict |",
+             "|" + "---|" * 9]
+    for r in rows:
+        ci = "" if r["ci_low"] is None else f"[{pts(r['ci_low'])}, {pts(r['ci_high'])}]"
+        tost = "" if r["tost_p"] is None else f"{r['tost_p']:.3f}"
+        lines.append(f"| {r['sweep']} | {r['alpha'] if r['alpha'] is not None else 'natural'} "
+                     f"| {r['arm']} | {'' if r['warmup_rounds'] is None else r['warmup_rounds']}"
+                     f" | {r['n']} | {pts(r['diff_mean'])} | {ci} | {tost} | {r['verdict']} |")
+    atomic_write_text(paths[1], "\n".join(lines) + "\n")
     return paths
 
 

@@ -1,0 +1,192 @@
+"""Tuning on a validation split, then the chosen configurations over every seed.
+
+A plan with a ``tune`` section runs in two stages, in one folder::
+
+    tune: {seed: 100, last: 5, validation_fraction: 0.1}
+    seeds: [0, 1, 2, 3, 4]
+    sweeps:
+      - name: fmnist_softmax
+        config: fmnist_vit
+        alphas: [0.1]
+        grid:                          # every arm of the sweep: the same budget
+          train.lr: [0.02, 0.05, 0.1]
+          train.lr_schedule: [{kind: constant}, {kind: cosine},
+                              {kind: step, milestones: [0.75], factor: 0.1}]
+        arms:
+          - {name: fedavg, overrides: [algorithm.name=fedavg]}
+          - {name: fedprox, overrides: [algorithm.name=fedprox],
+             grid: {algorithm.mu: [0.001, 0.01, 0.1]}}     # added to the sweep's grid
+          - {name: fedfrozen_v, overrides: [algorithm.name=fedfrozen, algorithm.train=v],
+             warmup_rounds: [20, 50, 100, 150]}            # T0 is tuned too
+
+1. **Tuning** (:func:`tuning_plan`): every grid point of every arm (and every T0 of a T0 arm,
+   branched from one warm-up as usual) on the single seed ``tune.seed``, with each client's
+   ``validation_fraction`` held out (``partition.validation_fraction``) and ``eval.test=false``:
+   the tuning runs never read the test set. Arm ``<arm>`` at grid point i is ``<arm>+<i>``.
+2. **Choice** (:func:`choose`): per sweep, arm and alpha, the grid point and T0 with the best
+   score, the mean of the last ``tune.last`` evaluations of ``tune.metric`` (``val_acc``,
+   highest; ``val_loss``, lowest); a diverged candidate scores worst; ties go to the first
+   candidate in grid order. Every candidate's score is written to ``<out_dir>/choices.json``.
+3. **Final runs** (:func:`final_plan`): the chosen configuration of every arm over the plan's
+   ``seeds``, with the same validation split held out (the data each arm was tuned on) and the
+   test set evaluated; reference arms (``reference: true``) run here only. The comparison
+   (:func:`real_data.study.tables.compare`) reads these runs.
+
+Every arm gets the same grid budget (the sweep's grid; an arm's own ``grid`` adds keys of its
+own, such as FedProx's mu). The tuning seed should differ from the final seeds, so the final
+partitions and initializations are not the ones the choice was made on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+
+from linattn.errors import ConfigError
+from linattn.fileio import atomic_write_json
+from real_data.study.plan import Arm, Plan, Sweep, inside, run_key
+from real_data.study.runner import run_status
+
+CHOICES_FILE = "choices.json"
+
+
+def grid_points(sweep: Sweep, arm: Arm) -> list[tuple[str, ...]]:
+    """The arm's grid points as override tuples, in grid order (the sweep's grid with the
+    arm's own keys added or replacing the sweep's); ``[()]`` without a grid."""
+    merged = dict(sweep.grid)
+    merged.update(dict(arm.grid))
+    keys = sorted(merged)
+    return [tuple(f"{k}={_override_value(v)}" for k, v in zip(keys, combo))
+            for combo in itertools.product(*(merged[k] for k in keys))]
+
+
+def _override_value(value) -> str:
+    if isinstance(value, str):
+        return value
+    return json.dumps(value)  # numbers, lists and mappings: YAML flow that load_yaml reads
+
+
+def _held_out(plan: Plan) -> tuple[str, ...]:
+    return (f"partition.validation_fraction={plan.tune.validation_fraction}",)
+
+
+def _tuned_arm(arm: Arm, i: int) -> str:
+    return f"{arm.name}+{i}"
+
+
+def _need_tune(plan: Plan) -> None:
+    if plan.tune is None:
+        raise ConfigError(f"plan {plan.name} has no 'tune' section; add tune: {{seed: 0, "
+                          "last: 5, validation_fraction: 0.1}} and a grid")
+
+
+def tuning_plan(plan: Plan) -> Plan:
+    """The tuning stage's runs: every grid point of every non-reference arm, on ``tune.seed``,
+    scored on validation only."""
+    _need_tune(plan)
+    extra = (*_held_out(plan), "eval.test=false")
+    sweeps = []
+    for sw in plan.sweeps:
+        arms = tuple(Arm(_tuned_arm(arm, i), (*arm.overrides, *point, *extra),
+                         arm.warmup_rounds)
+                     for arm in sw.arms if not arm.reference
+                     for i, point in enumerate(grid_points(sw, arm)))
+        sweeps.append(dataclasses.replace(sw, arms=arms, seeds=(plan.tune.seed,), grid=()))
+    return dataclasses.replace(plan, name=f"{plan.name}-tune", sweeps=tuple(sweeps), tune=None)
+
+
+def _score(run_dir: Path, metric: str, last: int) -> tuple[float | None, str]:
+    """(score, status): the mean of the last ``last`` values of ``metric``; ``None`` unless
+    the run is final."""
+    status = run_status(run_dir)
+    if status not in ("completed", "diverged"):
+        return None, status
+    values = []
+    with open(run_dir / "metrics.csv", newline="") as fh:
+        import csv
+
+        for row in csv.DictReader(fh):
+            if row["client"] == "global" and row["metric"] == metric:
+                values.append((int(row["round"]), float(row["value"])))
+    worst = -np.inf if metric.endswith("acc") else np.inf
+    if status == "diverged" or not values:
+        return worst, status
+    tail = [v for _, v in sorted(values)[-last:]]
+    score = float(np.mean(tail))
+    return (score if np.isfinite(score) else worst), status
+
+
+def choose(plan: Plan, write: bool = True) -> dict:
+    """The chosen grid point and T0 of every (sweep, arm, alpha), from the finished tuning
+    runs; raises ConfigError naming the missing runs while tuning is unfinished. With
+    ``write``, the whole table goes to ``<out_dir>/choices.json``."""
+    _need_tune(plan)
+    tune = plan.tune
+    higher = tune.metric.endswith("acc")
+    out, missing = {"metric": tune.metric, "last": tune.last, "seed": tune.seed,
+                    "choices": []}, []
+    for sw in plan.sweeps:
+        for arm in sw.arms:
+            if arm.reference:
+                continue
+            points = grid_points(sw, arm)
+            for alpha in sw.alphas:
+                cands = []
+                for i, point in enumerate(points):
+                    for t0 in arm.warmup_rounds or (None,):
+                        key = run_key(sw.name, _tuned_arm(arm, i), t0, alpha, tune.seed)
+                        score, status = _score(inside(plan.out_dir, key), tune.metric,
+                                               tune.last)
+                        if score is None:
+                            missing.append(key)
+                            continue
+                        cands.append({"grid_point": i, "overrides": list(point),
+                                      "warmup_rounds": t0, "score": score, "status": status})
+                if not cands or len(cands) < len(points) * len(arm.warmup_rounds or (None,)):
+                    continue
+                best = (max if higher else min)(cands, key=lambda c: c["score"])
+                out["choices"].append({"sweep": sw.name, "arm": arm.name, "alpha": alpha,
+                                       "chosen": best, "candidates": cands})
+    if missing:
+        raise ConfigError(f"tuning of plan {plan.name} is unfinished: {len(missing)} run(s) "
+                          f"not final, e.g. {missing[0]}; run `linattn study --plan ... "
+                          "--stage tune` first")
+    if write:
+        atomic_write_json(inside(plan.out_dir, CHOICES_FILE), _plain(out), indent=1)
+    return out
+
+
+def _plain(value):
+    if isinstance(value, float) and not np.isfinite(value):
+        return None if np.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def final_plan(plan: Plan, choices: dict | None = None) -> Plan:
+    """The final stage's runs: every arm at its chosen grid point and T0 (one sweep per alpha,
+    since the choice is made per alpha) over the plan's seeds, test set evaluated."""
+    choices = choose(plan) if choices is None else choices
+    chosen = {(c["sweep"], c["arm"], c["alpha"]): c["chosen"] for c in choices["choices"]}
+    sweeps = []
+    for sw in plan.sweeps:
+        for alpha in sw.alphas:
+            arms = []
+            for arm in sw.arms:
+                if arm.reference:
+                    arms.append(dataclasses.replace(
+                        arm, overrides=(*arm.overrides, *_held_out(plan)), grid=()))
+                    continue
+                c = chosen[(sw.name, arm.name, alpha)]
+                t0 = c["warmup_rounds"]
+                arms.append(Arm(arm.name, (*arm.overrides, *c["overrides"], *_held_out(plan)),
+                                () if t0 is None else (int(t0),)))
+            sweeps.append(dataclasses.replace(sw, alphas=(alpha,), arms=tuple(arms), grid=()))
+    return dataclasses.replace(plan, sweeps=tuple(sweeps), tune=None)

@@ -1,0 +1,148 @@
+"""The two-stage study: a grid tuned on a validation split, then the chosen configurations over
+every seed, compared by paired intervals and two one-sided tests."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+import pytest
+import yaml
+from conftest import run_cli
+from scipy import stats
+
+from linattn.errors import ConfigError
+from real_data import study
+
+PLAN = {
+    "name": "tuned",
+    "seeds": [0, 1, 2],
+    "tune": {"seed": 7, "last": 2, "validation_fraction": 0.2},
+    "sweeps": [{
+        "name": "digits",
+        "config": "digits_vit",
+        "overrides": ["train.rounds=4", "run.plot=false", "model.depth=1", "model.dim=8",
+                      "model.mlp_dim=16", "partition.num_clients=4", "train.local_steps=2"],
+        "alphas": [0.5],
+        "grid": {"train.lr": [0.05, 0.3]},
+        "arms": [
+            {"name": "fedavg", "overrides": ["algorithm.name=fedavg"]},
+            {"name": "frozen", "overrides": ["algorithm.name=fedfrozen", "algorithm.train=v"],
+             "warmup_rounds": [1, 3],
+             "grid": {"train.lr_schedule": [{"kind": "constant"},
+                                            {"kind": "step", "milestones": [0.5],
+                                             "factor": 0.1}]}},
+        ],
+    }],
+}
+
+
+def _write(tmp_path, data=PLAN):
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _global(run_dir, metric):
+    with open(run_dir / "metrics.csv", newline="") as fh:
+        return {int(r["round"]): float(r["value"]) for r in csv.DictReader(fh)
+                if r["client"] == "global" and r["metric"] == metric}
+
+
+def test_tune_then_final_then_compare(tmp_path):
+    path = _write(tmp_path)
+    out = tmp_path / "out"
+    plan = study.load_plan(path, out)
+    # before tuning, the final stage cannot be planned and says why (exit 2)
+    res = run_cli("study", "--plan", str(path), "--out", str(out), "--stage", "final")
+    assert res.returncode == 2 and "tuning of plan tuned is unfinished" in res.stderr
+    tune = study.tuning_plan(plan)
+    keys = [s.key for s in study.plan_runs(tune)]
+    # fedavg: 2 lrs; frozen: 2 lrs x 2 schedules, each a T0 family of 2
+    assert len(keys) == 2 + 4 * 2 and all(k.endswith("seed=7") for k in keys)
+    res = run_cli("study", "--plan", str(path), "--out", str(out))
+    assert res.returncode == 0, res.stderr[-2000:]
+    # tuning runs read validation only
+    for spec in study.plan_runs(tune):
+        assert _global(spec.run_dir, "val_acc") and not _global(spec.run_dir, "test_acc")
+    # the choice is the best mean of the last 2 validation accuracies, ties to the first
+    choices = json.loads((out / study.CHOICES_FILE).read_text())
+    by_arm = {c["arm"]: c for c in choices["choices"]}
+    for arm, cell in by_arm.items():
+        scores = []
+        for cand in cell["candidates"]:
+            key = study.run_key("digits", f"{arm}+{cand['grid_point']}", cand["warmup_rounds"],
+                                0.5, 7)
+            vals = _global(out / key, "val_acc")
+            mine = float(np.mean([vals[r] for r in sorted(vals)[-2:]]))
+            assert cand["score"] == pytest.approx(mine, abs=1e-12)
+            scores.append(mine)
+        assert cell["chosen"]["score"] == max(scores)
+        assert cell["candidates"].index(cell["chosen"]) == scores.index(max(scores))
+    assert len(by_arm["frozen"]["candidates"]) == 8
+    # final runs: the chosen lr (and schedule, T0) over seeds 0-2, test evaluated
+    final = study.final_plan(plan, choices)
+    specs = study.plan_runs(final)
+    assert sorted(s.seed for s in specs) == [0, 0, 1, 1, 2, 2]
+    for spec in specs:
+        chosen = by_arm[spec.arm.name]["chosen"]
+        cfg_text = (spec.run_dir / "config.yaml").read_text()
+        lr = float(chosen["overrides"][-1].split("=")[1]) if spec.arm.name == "fedavg" else \
+            float([o for o in chosen["overrides"] if o.startswith("train.lr=")][0][9:])
+        assert f"lr: {lr}" in cfg_text and "validation_fraction: 0.2" in cfg_text
+        assert spec.warmup_rounds == chosen["warmup_rounds"]
+        assert _global(spec.run_dir, "test_acc")
+    table = list(csv.DictReader(open(out / "tables" / "comparison.csv")))
+    assert [r["arm"] for r in table] == ["frozen"] and table[0]["n"] == "3"
+    assert table[0]["verdict"] in ("win", "loss", "tie", "inconclusive")
+    assert "| digits | 0.5 | frozen |" in (out / "tables" / "comparison.md").read_text()
+
+
+def _rows(diffs, base=0.8):
+    out = []
+    for seed, d in enumerate(diffs):
+        out.append({"sweep": "s", "arm": "fedavg", "warmup_rounds": None, "alpha": 0.1,
+                    "seed": seed, "score": base})
+        out.append({"sweep": "s", "arm": "new", "warmup_rounds": None, "alpha": 0.1,
+                    "seed": seed, "score": base + d})
+    return out
+
+
+def test_compare_intervals_tost_and_verdicts():
+    diffs = np.array([0.021, 0.03, 0.025, 0.028, 0.019])
+    (r,) = study.compare(_rows(diffs))
+    n, m, se = 5, diffs.mean(), diffs.std(ddof=1) / np.sqrt(5)
+    t = stats.t.ppf(0.975, n - 1)
+    assert r["diff_mean"] == pytest.approx(m, abs=1e-12)
+    assert (r["ci_low"], r["ci_high"]) == pytest.approx((m - t * se, m + t * se), abs=1e-12)
+    assert r["verdict"] == "win"
+    # a tie needs the 90% interval inside +-1 point: small, consistent differences
+    (tie,) = study.compare(_rows([0.001, -0.002, 0.0015, -0.001, 0.0005]))
+    p = max(stats.t.sf((tie["diff_mean"] + 0.01) / tie["diff_se"], 4),
+            stats.t.cdf((tie["diff_mean"] - 0.01) / tie["diff_se"], 4))
+    assert tie["tost_p"] == pytest.approx(p, rel=1e-12) and tie["tost_p"] < 0.05
+    assert tie["verdict"] == "tie"
+    # noisy differences around zero: neither a difference nor an equivalence is shown
+    (noisy,) = study.compare(_rows([0.04, -0.05, 0.03, -0.02, 0.0]))
+    assert noisy["verdict"] == "inconclusive" and noisy["tost_p"] > 0.05
+    (loss,) = study.compare(_rows([-0.05, -0.06, -0.045]))
+    assert loss["verdict"] == "loss"
+    (one,) = study.compare(_rows([0.01]))
+    assert one["verdict"] == "inconclusive" and one["ci_low"] is None
+
+
+@pytest.mark.parametrize("mutate,key", [
+    (lambda d: d["sweeps"][0].update(grid={"train.lr": []}), "grid.train.lr"),
+    (lambda d: d["sweeps"][0].update(grid=[0.1]), "grid"),
+    (lambda d: d["tune"].update(validation_fraction=0.7), "tune.validation_fraction"),
+    (lambda d: d["tune"].update(metric="test_acc"), "tune.metric"),
+    (lambda d: d.pop("tune"), "no 'tune' section"),
+])
+def test_bad_tuning_plans_name_the_key(tmp_path, mutate, key):
+    data = yaml.safe_load(yaml.safe_dump(PLAN))
+    mutate(data)
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        study.load_plan(_write(tmp_path, data), tmp_path / "out")
+    res = run_cli("study", "--plan", str(tmp_path / "plan.yaml"), "--out", str(tmp_path / "o"))
+    assert res.returncode == 2 and not (tmp_path / "o").exists()
