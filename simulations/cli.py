@@ -3,6 +3,7 @@
     linattn simulate run --config simulations/configs/default.yaml [--out DIR] key=value ...
     linattn simulate validate [--quick] [--out DIR]
     linattn simulate bench [--out DIR] [--loop-seeds N]
+    linattn simulate schedules [--quick] [--out DIR] [--workers N] [--sim-seeds N]
 
 The router (``linattn/cli.py``) passes argv with argv[0] == "simulate". Bad input raises
 ``simulations.config.ConfigError`` (``user_error = True``): exit status 2, nothing written.
@@ -25,15 +26,16 @@ class _Parser(argparse.ArgumentParser):
 
 
 DESCRIPTION = ("The synthetic federated simulator of linear attention: run a YAML config "
-               "(a single run or a sweep), check the theory's predictions P1-P6 on a grid, or "
-               "time the vectorized simulator against a plain loop. "
+               "(a single run or a sweep), check the theory's predictions P1-P6 on a grid, "
+               "time the vectorized simulator against a plain loop, or compare step-size "
+               "decay with freezing (schedules). "
                "Run 'linattn simulate COMMAND --help' for a command's options.")
 
 
 def _parser() -> argparse.ArgumentParser:
     top = _Parser(prog="linattn simulate", description=DESCRIPTION)
     sub = top.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND",
-                             title="commands", help="run, validate or bench")
+                             title="commands", help="run, validate, bench or schedules")
     run = sub.add_parser("run", help="single run or sweep from a YAML config",
                          description="A single run or a sweep from a YAML config: writes "
                          "config.yaml, metrics.csv and summary.json into the run directory.")
@@ -66,6 +68,23 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="quick grid")
     bench.add_argument("--threads", type=int, default=2, metavar="N",
                        help="torch threads (default 2)")
+    sched = sub.add_parser("schedules", help="does freezing add to step-size decay? (model)",
+                           description="The exact population dynamics with per-round step "
+                           "sizes on two synthetic grids (a 2^(8-2) factorial and a covariate "
+                           "shift x teacher heterogeneity map), plus a simulator spot check: "
+                           "the best constant-eta FedFrozen, the best decay schedule, and both. "
+                           "Writes schedule_study.json, schedule_study.csv and "
+                           "schedule_tables.json.")
+    sched.add_argument("--quick", action="store_true", help="tiny grids (seconds; for tests)")
+    sched.add_argument("--out", default="runs/simulate/schedules", metavar="DIR",
+                       help="output directory (default: runs/simulate/schedules under the "
+                       "current directory)")
+    sched.add_argument("--workers", type=int, default=1, metavar="N",
+                       help="processes for the exact dynamics (default 1)")
+    sched.add_argument("--sim-seeds", type=int, default=4, metavar="N",
+                       help="Monte Carlo seeds of the simulator spot check (default 4)")
+    sched.add_argument("--threads", type=int, default=1, metavar="N",
+                       help="torch threads (default 1)")
     return top
 
 
@@ -128,6 +147,14 @@ def main(argv: list[str] | None = None) -> int:
         _threads(args.threads)
         run_bench(args.out, loop_seeds=args.loop_seeds, quick=args.quick)
         return 0
+    if args.command == "schedules":
+        from simulations.schedule_run import main as schedules_main
+
+        _threads(args.threads)
+        if args.workers < 1 or args.sim_seeds < 2:
+            raise ConfigError(f"--workers={args.workers}, --sim-seeds={args.sim_seeds} are not "
+                              "allowed; --workers must be >= 1 and --sim-seeds >= 2")
+        return schedules_main(args)
     parser.print_help()
     return 0
 
