@@ -30,12 +30,20 @@ class FedFrozenParams:
         restricted value-block problem of the theory).
     probe_rounds : int
         Number of warm-up rounds measured for ``warmup="auto"`` (at least 2).
+    freeze : {"qk", "v_attn_out"}
+        The block frozen after T0: the attention kernel (Q/K, FedFrozen), or the equal-size
+        control that freezes the value and attention-output projections instead (as many
+        parameters as Q/K: two d x d maps and their biases per layer) and trains everything
+        else, Q/K included; it asks whether freezing the kernel matters or freezing any
+        block of that size does. ``v_attn_out`` needs ``train=all_but_qk`` (read: all but the
+        frozen block).
     """
 
     warmup_rounds: int | None = None
     warmup: Literal["fixed", "auto"] = "fixed"
     train: Literal["all_but_qk", "v"] = "all_but_qk"
     probe_rounds: int = 5
+    freeze: Literal["qk", "v_attn_out"] = "qk"
 
     def __post_init__(self) -> None:
         if self.warmup == "fixed" and self.warmup_rounds is None:
@@ -45,6 +53,10 @@ class FedFrozenParams:
             raise ConfigError(f"algorithm.warmup_rounds={self.warmup_rounds} must be >= 0")
         if self.probe_rounds < 2:
             raise ConfigError(f"algorithm.probe_rounds={self.probe_rounds} must be >= 2")
+        if self.freeze == "v_attn_out" and self.train == "v":
+            raise ConfigError("algorithm.freeze=v_attn_out freezes the value projections, so "
+                              "algorithm.train=v leaves nothing to train; use "
+                              "algorithm.train=all_but_qk")
 
 
 @dataclass
@@ -91,7 +103,9 @@ class FedFrozen(Algorithm):
         if params.warmup == "auto" and params.probe_rounds > t_total:
             raise ConfigError(f"algorithm.probe_rounds={params.probe_rounds} exceeds "
                               f"train.rounds={t_total}")
-        self.qk = names_of_kind(ctx.groups, "qk")
+        # the block frozen after T0 (and sent to a client once): Q/K, or the control's V/out
+        self.qk = (names_of_kind(ctx.groups, "qk") if params.freeze == "qk"
+                   else names_of_kind(ctx.groups, "v", "attn_out"))
         if params.train == "v":
             self.frozen_train = names_of_kind(ctx.groups, "v")
         else:
@@ -166,4 +180,5 @@ class FedFrozen(Algorithm):
 
     def tag(self) -> str:
         t0 = "auto" if self.params.warmup == "auto" else str(self.params.warmup_rounds)
-        return f"fedfrozen-{self.params.train}-T0{t0}"
+        control = "" if self.params.freeze == "qk" else f"-freeze_{self.params.freeze}"
+        return f"fedfrozen-{self.params.train}{control}-T0{t0}"
