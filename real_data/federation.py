@@ -289,6 +289,12 @@ class Federation:
             records += [(rnd, str(m), "local_test_acc", a) for m, a in per_client.items()]
             if new_state.plateau is not None and self.x_val is not None:
                 new_state.plateau.observe(g_eval["val_loss"], self.cfg.train.schedule)
+            if self.cfg.eval.finetune and self.cfg.eval.test and rnd == self.cfg.train.rounds:
+                ft = self.finetuned_accuracy(new_state, rnd)
+                records += [(rnd, str(m), "local_ft_acc", a) for m, a in enumerate(ft)]
+                sizes = np.array([len(ix) for ix in self.partition.test], dtype=np.float64)
+                g.update({"local_ft_acc_mean": float(ft.mean()),
+                          "local_ft_acc_micro": float((ft * sizes).sum() / max(sizes.sum(), 1))})
         g.update(extra)
         return records + [(rnd, "global", k, v) for k, v in sorted(g.items())]
 
@@ -382,6 +388,42 @@ class Federation:
             # micro average: correct predictions over all local test samples (FedTP's metric)
             out["local_acc_micro"] = float((acc * sizes).sum() / max(sizes.sum(), 1.0))
         return out, per_client
+
+    def finetuned_accuracy(self, state: FedState, rnd: int) -> np.ndarray:
+        """Every client's local test accuracy after fine-tuning the global model for one local
+        round: all parameters, the run's optimizer at round ``rnd``'s lr, its K steps (or E
+        epochs) on fresh minibatches of its own training samples, the plain objective (no
+        proximal term or control variate), whatever the algorithm. The same budget for every
+        algorithm, so "FedAvg + fine-tuning" and "FedFrozen + fine-tuning" meet a personalized
+        method such as FedTP on its own metric."""
+        from real_data.algorithms.fedavg import FedAvg, FedAvgParams
+
+        plain = FedAvg(FedAvgParams(), self.algorithm.ctx)
+        ids = np.arange(self.partition.num_clients)
+        names = tuple(state.global_params)
+        lr = self.round_lr(state, min(rnd, self.cfg.train.rounds))
+        job = LocalJob(
+            model=self.model, algorithm=plain, global_params=state.global_params,
+            trainable=names, batches=self.planner.plan(ids, rnd + 1), x=self.x_train,
+            y=self.y_train, optimizer=dataclasses.replace(self.optimizer, lr=lr),
+            client_ids=ids,
+            dropout_seed=int(np.random.SeedSequence([self.cfg.role_seed("training"), rnd, 1])
+                             .generate_state(1)[0]),
+            overrides={}, client_state={}, server_state=None, autocast=self.autocast)
+        results = self.train_job(job)
+        self.model.eval()
+        acc = np.zeros(len(ids))
+        bs = self.cfg.eval.batch_size
+        for m, test_idx in enumerate(self.partition.test):
+            if not len(test_idx):
+                continue
+            own = {n: results.params[n][m] if n in results.params else v
+                   for n, v in state.global_params.items()}
+            ix = torch.as_tensor(test_idx, device=self.device)
+            _, h = evaluate(lambda xb, p=own: plain.forward(self.model, p, xb),
+                            self.x_test[ix], self.y_test[ix], bs, self.autocast)
+            acc[m] = float(h.mean())
+        return acc
 
     def _step_flops(self, trainable: tuple[str, ...], stage: str = "full") -> int:
         # keyed by stage too: an algorithm may change its forward between stages (FedSQ)

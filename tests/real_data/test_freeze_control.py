@@ -41,3 +41,40 @@ def test_control_needs_a_trainable_rest(digits):
     with pytest.raises(ConfigError, match="algorithm.freeze=v_attn_out"):
         tiny_config("algorithm.name=fedfrozen", "algorithm.warmup_rounds=1",
                     "algorithm.freeze=v_attn_out", "algorithm.train=v")
+
+
+def test_finetuned_accuracy_equals_a_plain_loop(digits64):
+    """eval.finetune: each client fine-tunes the final global model for one local round of
+    plain SGD on fresh minibatches, then is tested on its own split."""
+    from real_data.engines import make_batches, task_loss
+    from real_data.metrics import evaluate
+
+    part = random_partition(digits64, 3, seed=2, alpha=0.5)
+    rounds, k, lr = 2, 3, 0.1
+    cfg = tiny_config("algorithm.name=fedprox", "algorithm.mu=0.5", "train.precision=fp64",
+                      "train.optimizer=sgd", f"train.lr={lr}", f"train.local_steps={k}",
+                      f"train.rounds={rounds}", "eval.finetune=true")
+    fed = federation(cfg, digits64, part)
+    state = fed.initial_state()
+    for rnd in range(1, rounds + 1):
+        state, records = fed.run_round(state, rnd)
+    got = {int(c): v for r, c, key, v in records if key == "local_ft_acc"}
+    x, y = fed.x_train, fed.y_train
+    batches = make_batches(part.train, np.arange(3), cfg.role_seed("training"), rounds + 1,
+                           cfg.train.batch_size, k, None)
+    for m in range(3):
+        params = {n: p.detach().clone().requires_grad_(True)
+                  for n, p in state.global_params.items()}
+        opt = torch.optim.SGD(list(params.values()), lr=lr)  # no proximal term
+        for s in range(k):
+            ix = batches.idx[m, s]
+            opt.zero_grad()
+            task_loss(torch.func.functional_call(fed.model, params, (x[ix],)), y[ix]).backward()
+            opt.step()
+        ix = torch.as_tensor(part.test[m])
+        _, hit = evaluate(lambda xb, p=params: torch.func.functional_call(fed.model, p, (xb,)),
+                          fed.x_test[ix], fed.y_test[ix], 1024)
+        assert got[m] == pytest.approx(float(hit.mean()), abs=1e-12), m
+    sizes = np.array([len(t) for t in part.test], dtype=float)
+    micro = next(v for r, c, key, v in records if key == "local_ft_acc_micro")
+    assert micro == pytest.approx(sum(got[m] * sizes[m] for m in range(3)) / sizes.sum())
