@@ -21,7 +21,7 @@ from linattn.configio import load_yaml
 from linattn.errors import ConfigError
 from linattn.fileio import atomic_write_json, atomic_write_text
 from linattn_theory.constants import estimate_constants
-from linattn_theory.dynamics import initial_point, population_dynamics
+from linattn_theory.dynamics import initial_point
 from linattn_theory.errors import ParameterError
 from linattn_theory.problem import Problem
 from linattn_theory.warmup import WarmupConstants, recommend_warmup
@@ -39,9 +39,11 @@ DEFAULTS = {
 def _warmup_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="linattn warmup",
-        description="Optimal warm-up length T0* before freezing the attention kernel "
-        "(docs/theory.md, eqs. 24-29). Give the constants directly, or a problem file whose "
-        "constants are measured from the closed forms.",
+        description="Warm-up length T0 before freezing the attention kernel. With a problem "
+        "file: the exact optimum of the population dynamics over every T0 in 0..T, the "
+        "path-local bound's T0* and a probe estimate from a finite-sample run "
+        "(docs/theory.md, eqs. 31-36; the same numbers as recommend_warmup). With constants "
+        "only: the stylized bound's closed form (eqs. 24-29).",
     )
     src = ap.add_argument_group("constants (direct)")
     src.add_argument("--heterogeneity", type=float, help="zeta >= 0 (client gradient spread)")
@@ -59,15 +61,16 @@ def _warmup_parser() -> argparse.ArgumentParser:
     prob = ap.add_argument_group("constants (measured from a problem)")
     prob.add_argument("--problem", type=Path,
                       help="YAML/JSON problem file: a 'make_problem' mapping or explicit arrays")
-    prob.add_argument("--dynamics", action="store_true",
-                      help="with --problem: also run the exact population dynamics and report "
-                      "their argmin of R(T0)")
+    prob.add_argument("--no-probe", action="store_true",
+                      help="with --problem: skip the probe estimator (a finite-sample run)")
     ap.add_argument("--regime", choices=("auto", "pl", "nonconvex"), default="auto",
                     help="which bound's regime gives T0*: pl (Polyak-Lojasiewicz), nonconvex, "
                          "or auto (the lower minimum)")
-    ap.add_argument("--csv", type=Path, help="write the bound's curves (T0, bias, drift, ...)")
+    ap.add_argument("--csv", type=Path, help="write the curves per T0 (with --problem: exact R, "
+                    "bound and their terms; else the stylized bound's terms)")
     ap.add_argument("--png", type=Path, help="plot the curves (needs matplotlib)")
-    ap.add_argument("--json", type=Path, help="write T0*, regime and constants as JSON")
+    ap.add_argument("--json", type=Path, help="write the recommendation as JSON (warmup_rounds, "
+                    "closed_form, probe_estimate, never_freeze_error, recommended_error, ...)")
     return ap
 
 
@@ -136,48 +139,70 @@ def _constants_from_args(args):
     return constants, assumed
 
 
+def _problem_schedule(args):
+    """(problem, lr, K, T, start) from --problem and the flags, every value checked."""
+    problem, schedule = load_problem_file(args.problem)
+    lr = args.lr if args.lr is not None else schedule.get("lr")
+    steps = args.local_steps if args.local_steps is not None else schedule.get("local_steps")
+    total = args.total_rounds if args.total_rounds is not None else \
+        schedule.get("total_rounds", DEFAULTS["total_rounds"])
+    if lr is None or steps is None:
+        raise ParameterError("with --problem give --lr and --local-steps (or a 'schedule' "
+                             "mapping with lr and local_steps in the file)")
+    where = f"problem file {args.problem}: schedule."
+    lr = _schedule_value(lr, "lr", float, 0, "--" if args.lr is not None else where)
+    steps = _schedule_value(steps, *(("local-steps", int, 1, "--") if args.local_steps
+                                     is not None else ("local_steps", int, 1, where)))
+    total = _schedule_value(total, *(("total-rounds", int, 1, "--") if args.total_rounds
+                                     is not None else ("total_rounds", int, 1, where)))
+    seed = _schedule_value(schedule.get("init_seed", 0), "init_seed", int, 0, where)
+    return problem, lr, steps, total, initial_point(problem, seed=seed)
+
+
+def _advice_rows(advice):
+    p = advice.path
+    header = ["warmup_rounds", "exact_R", "bound", "bias", "drift", "value_error",
+              "bound_bias", "bound_drift", "bound_value", "kernel_deviation", "deviation_bound"]
+    rows = np.column_stack([p.rounds, p.final_error, p.bound, p.bias, p.drift, p.value_error,
+                            p.bound_bias, p.bound_drift, p.bound_value, p.kernel_deviation,
+                            p.deviation_bound])
+    return header, rows
+
+
+def _stylized_rows(rec):
+    header = ["warmup_rounds", "bias", "drift", "frozen_floor", "transient", "total"]
+    return header, np.column_stack([rec.rounds, rec.bias, rec.drift, rec.frozen,
+                                    rec.transient, rec.total])
+
+
 def warmup_main(argv: list[str]) -> int:
     args = _warmup_parser().parse_args(argv)
     _check_outputs(args)
+    if args.lr is not None and not math.isfinite(args.lr):
+        raise ParameterError(f"--lr={args.lr!r} is not allowed; --lr must be a finite number > 0 "
+                             "(e.g. --lr 0.05)")
     if args.total_rounds is not None:
         _schedule_value(args.total_rounds, "total-rounds", int, 1, "--")
-    dynamics = None
+    # 1. compute everything; nothing is written before this succeeds
     if args.problem is not None:
-        problem, schedule = load_problem_file(args.problem)
-        lr = args.lr if args.lr is not None else schedule.get("lr")
-        steps = args.local_steps if args.local_steps is not None else schedule.get("local_steps")
-        total = args.total_rounds if args.total_rounds is not None else \
-            schedule.get("total_rounds", DEFAULTS["total_rounds"])
-        if lr is None or steps is None:
-            raise ParameterError("with --problem give --lr and --local-steps (or a 'schedule' "
-                                 "mapping with lr and local_steps in the file)")
-        where = f"problem file {args.problem}: schedule."
-        lr = _schedule_value(lr, "lr", float, 0, "--" if args.lr is not None else where)
-        steps = _schedule_value(steps, *(("local-steps", int, 1, "--") if args.local_steps
-                                         is not None else ("local_steps", int, 1, where)))
-        total = _schedule_value(total, *(("total-rounds", int, 1, "--") if args.total_rounds
-                                         is not None else ("total_rounds", int, 1, where)))
-        seed = _schedule_value(schedule.get("init_seed", 0), "init_seed", int, 0, where)
-        start = initial_point(problem, seed=seed)
-        measured = estimate_constants(problem, float(lr), int(steps), int(total), start=start)
-        constants, assumed = measured.warmup_constants(), {}
-        if args.dynamics:
-            grid = np.unique(np.linspace(0, int(total), min(int(total) + 1, 101)).astype(int))
-            dynamics = population_dynamics(problem, start, float(lr), int(steps), int(total),
-                                           grid, measured.phi_star)
+        problem, lr, steps, total, start = _problem_schedule(args)
+        rec = recommend_warmup(problem, lr=lr, local_steps=steps, total_rounds=total,
+                               start=start, probe=not args.no_probe)
+        header, rows = _advice_rows(rec)
+        assumed = {}
     else:
         constants, assumed = _constants_from_args(args)
-    rec = recommend_warmup(constants, regime=args.regime)
+        rec = recommend_warmup(constants, regime=args.regime)
+        header, rows = _stylized_rows(rec)
     print(rec.explanation())
     if assumed:
         print("  assumed (not given): " + ", ".join(f"{k}={v}" for k, v in assumed.items()))
-    if dynamics is not None:
-        print(f"  exact population dynamics: best T0 = {dynamics.best_warmup} "
-              f"(R = {dynamics.final_error.min():.4g}; no freezing R = "
-              f"{dynamics.final_error[-1]:.4g})")
+    figure = None
+    if args.png:
+        from figures.warmup_plot import draw  # matplotlib only for --png
 
-    header = ["warmup_rounds", "bias", "drift", "frozen_floor", "transient", "total"]
-    rows = np.column_stack([rec.rounds, rec.bias, rec.drift, rec.frozen, rec.transient, rec.total])
+        figure = draw(rec)
+    # 2. write
     if args.csv:
         buf = io.StringIO()
         w = csv.writer(buf, lineterminator="\n")
@@ -187,15 +212,12 @@ def warmup_main(argv: list[str]) -> int:
         atomic_write_text(args.csv, buf.getvalue())
         print(f"wrote {args.csv}")
     if args.json:
-        payload = rec.to_dict()
-        if dynamics is not None:
-            payload["population_best_warmup"] = dynamics.best_warmup
-        atomic_write_json(args.json, payload)
+        atomic_write_json(args.json, rec.to_dict())
         print(f"wrote {args.json}")
-    if args.png:
-        from figures.warmup_plot import plot_recommendation  # matplotlib only for --png
+    if figure is not None:
+        from figures.warmup_plot import save_figure
 
-        plot_recommendation(rec, args.png)
+        save_figure(figure, args.png)
         print(f"wrote {args.png}")
     return 0
 

@@ -13,7 +13,9 @@ Time is measured in tau = eta K T0. With constants Delta_0, mu, L, zeta, G, D_0:
 
 both clipped to [0, T] and equal to T when S = 0 (zeta = 0 or K = 1); each is non-increasing
 in zeta, K and eta (eq. 30). The closed forms minimise the bias plus the linear drift; the
-numeric argmin minimises the full expression (27).
+numeric argmin minimises the full expression (27). These serve constants typed in without a
+problem; for a problem instance :func:`recommend_warmup` returns the exact optimum
+(:mod:`linattn_theory.advice`).
 """
 
 from __future__ import annotations
@@ -23,14 +25,14 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from linattn_theory.constants import estimate_constants
+from linattn_theory.advice import WarmupAdvice, advise_warmup
 from linattn_theory.errors import ParameterError
 from linattn_theory.problem import Problem
 from linattn_theory.warmup_constants import WarmupConstants
 
-__all__ = ["REGIMES", "WarmupConstants", "BoundCurves", "Recommendation", "bias_bound",
-           "drift_bound", "stylized_bound", "optimal_warmup_pl", "optimal_warmup_nonconvex",
-           "recommend_warmup"]
+__all__ = ["REGIMES", "WarmupConstants", "BoundCurves", "Recommendation", "WarmupAdvice",
+           "bias_bound", "drift_bound", "stylized_bound", "optimal_warmup_pl",
+           "optimal_warmup_nonconvex", "recommend_warmup"]
 
 REGIMES = ("auto", "pl", "nonconvex")
 
@@ -206,21 +208,25 @@ def _choose_regime(constants: WarmupConstants) -> str:
     return "pl" if pl <= nc else "nonconvex"
 
 
-def recommend_warmup(constants, regime: str = "auto", **schedule) -> Recommendation:
-    """The optimal warm-up length T0* from the stylized bound (eqs. 27-29).
+def recommend_warmup(constants, regime: str = "auto", **schedule):
+    """The warm-up length T0: for a problem, the exact optimum; for constants, eqs. (27)-(29).
 
     Parameters
     ----------
-    constants : WarmupConstants or Problem
-        Measured constants, or a problem instance whose constants are then measured with
-        :func:`linattn_theory.constants.estimate_constants` (pass ``lr``, ``local_steps``,
-        ``total_rounds`` and optionally ``start``, ``phi_star``, ``probe_rounds`` as keywords).
-        A problem is probed as a real network would be (``fast=True``: a 20-round probe of the
-        exact dynamics, about 40 ms for d = 16 and 20 clients); pass ``fast=False`` to measure
-        the constants along the whole path instead.
+    constants : Problem or WarmupConstants
+        A problem instance: the answer is :func:`linattn_theory.advice.advise_warmup` (pass
+        ``lr``, ``local_steps``, ``total_rounds`` and optionally ``start``, ``phi_star``,
+        ``probe``, ``probe_seed`` as keywords): the argmin of the exact population dynamics
+        over every T0 in 0..T, with the path-local bound (eqs. 31-35) and the probe estimate
+        (eq. 36) beside it; ``linattn warmup --problem`` calls the same function.
+        Constants alone (no problem): the stylized bound (27) and its closed-form T0*.
     regime : {"auto", "pl", "nonconvex"}
-        ``auto`` takes the regime whose full bound (27) reaches the lower minimum over the
-        integer T0 in [0, T].
+        For constants only: ``auto`` takes the regime whose full bound (27) reaches the lower
+        minimum over the integer T0 in [0, T].
+
+    Returns
+    -------
+    WarmupAdvice for a problem, Recommendation for constants.
     """
     if not isinstance(constants, WarmupConstants):
         if not isinstance(constants, Problem):
@@ -230,9 +236,8 @@ def recommend_warmup(constants, regime: str = "auto", **schedule) -> Recommendat
         missing = [k for k in ("lr", "local_steps", "total_rounds") if k not in schedule]
         if missing:
             raise ParameterError(f"recommend_warmup(problem, ...) needs keywords {missing}")
-        schedule.setdefault("fast", True)
-        constants = estimate_constants(constants, **schedule).warmup_constants()
-    elif schedule:
+        return advise_warmup(constants, **schedule)
+    if schedule:
         raise ParameterError(f"unexpected keywords {sorted(schedule)} with WarmupConstants")
     if regime not in REGIMES:
         raise ParameterError(f"regime={regime!r}; allowed: {REGIMES}")

@@ -1,0 +1,168 @@
+"""The probe estimator of the warm-up length: freeze-now continuations forked from snapshots of
+the federated run, their floor extrapolated (docs/theory.md, eq. 36).
+
+Pure numpy on loss curves: it needs no covariances or teachers, only what a run measures, so the
+finite-sample simulator (:mod:`linattn_theory.sampled`) and a real-network runner can call the
+same functions.
+
+Every ``interval`` rounds the run keeps a snapshot t_j and forks a short continuation with the
+attention kernel frozen: ``probe_rounds`` rounds of the frozen stage, with a validation loss
+l_j(s) after each (s = 0..r). The frozen stage is a contraction (eq. 16), so its loss approaches
+its floor geometrically, l(s) ~ l_inf + b q^s; :func:`extrapolate` fits (l_inf, b) per probe
+and one q shared by all probes, and predicts the loss after the T - t_j frozen rounds that
+freezing at t_j would leave:
+
+    P_j = l_inf + b q^(T - t_j).                                                        (36)
+
+The run stops warming up once the best prediction has not improved for ``patience`` snapshots,
+rolls back to the best snapshot and freezes there (:class:`ProbeSelector`). If it reaches T, the
+never-freeze loss l_T (continuing) is compared with the best prediction as well.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from linattn_theory.errors import require
+
+__all__ = ["extrapolate", "smoothed", "ProbeSelector", "ProbeChoice"]
+
+_RATES = np.concatenate([np.linspace(0.0, 0.9, 46), 1.0 - np.geomspace(0.1, 1e-3, 40)])
+
+
+def _fit(curves: np.ndarray):
+    """Least-squares (l_inf_j, b_j) for every rate on the grid; curves (J, r+1).
+
+    Returns (residual (Q,), floors (Q, J), scales (Q, J)); a rate at which some curve gets
+    b_j <= 0 keeps that curve flat at its mean (b_j = 0).
+    """
+    s = np.arange(curves.shape[1], dtype=np.float64)
+    basis = _RATES[:, None] ** s[None, :]                        # (Q, r+1)
+    centred = basis - basis.mean(axis=1, keepdims=True)
+    denom = np.sum(centred**2, axis=1)                           # (Q,)
+    y_mean = curves.mean(axis=1)                                 # (J,)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scales = (centred @ (curves - y_mean[:, None]).T) / denom[:, None]   # (Q, J)
+    scales = np.where(np.isfinite(scales) & (scales > 0), scales, 0.0)
+    floors = y_mean[None, :] - scales * basis.mean(axis=1)[:, None]
+    fitted = floors[:, :, None] + scales[:, :, None] * basis[:, None, :]
+    resid = np.sum((fitted - curves[None]) ** 2, axis=(1, 2))
+    return resid, floors, scales
+
+
+def extrapolate(curves, horizons) -> tuple[np.ndarray, np.ndarray, float]:
+    """Fit l_j(s) = l_inf_j + b_j q^s with one rate q shared by all curves and predict
+    l_j(horizon_j) (eq. 36).
+
+    The frozen stages of nearby snapshots contract at nearly the same rate, so sharing q makes
+    the fit of short, noisy curves stable; q is chosen on a grid in [0, 0.999] by least
+    squares, (l_inf_j, b_j >= 0) by linear least squares for each q.
+
+    Parameters
+    ----------
+    curves : array, shape (J, r+1) or (r+1,)
+        Validation losses after s = 0..r frozen rounds, r >= 2.
+    horizons : int or array (J,)
+        The frozen rounds each fork would get (T - t_j).
+
+    Returns
+    -------
+    predictions (J,), floors l_inf (J,), q.
+    """
+    y = np.atleast_2d(np.asarray(curves, dtype=np.float64))
+    require(y.shape[1] >= 3 and np.all(np.isfinite(y)), "curves", y.shape,
+            "finite curves of at least 3 values (s = 0..r, r >= 2)")
+    resid, floors, scales = _fit(y)
+    best = int(np.argmin(resid))
+    q = float(_RATES[best])
+    h = np.broadcast_to(np.maximum(np.asarray(horizons, dtype=np.float64), 0.0), (y.shape[0],))
+    return floors[best] + scales[best] * q**h, floors[best], q
+
+
+def smoothed(predictions) -> np.ndarray:
+    """The running median of three neighbouring predictions (two at the ends): one noisy probe
+    does not decide the snapshot or stop the warm-up."""
+    x = np.asarray(predictions, dtype=np.float64)
+    if x.size < 3:
+        return x
+    padded = np.concatenate([x[:1], x, x[-1:]])
+    return np.median(np.stack([padded[:-2], padded[1:-1], padded[2:]]), axis=0)
+
+
+@dataclass(frozen=True)
+class ProbeChoice:
+    """What :class:`ProbeSelector` decides.
+
+    Attributes
+    ----------
+    warmup_rounds : int
+        The chosen T0 (a snapshot round, or T for never freezing).
+    predicted_loss : float
+        The prediction (36) at the chosen snapshot (l_T for T0 = T).
+    snapshots, predictions : tuple
+        Every probed snapshot t_j and its prediction P_j.
+    rate : float
+        The fitted contraction q of the frozen-stage loss, shared by all probes.
+    stopped_at : int
+        The round at which warm-up stopped (T if it ran to the end).
+    probe_rounds_used : int
+        Frozen rounds spent in probes (the extra compute).
+    """
+
+    warmup_rounds: int
+    predicted_loss: float
+    snapshots: tuple
+    predictions: tuple
+    rate: float
+    stopped_at: int
+    probe_rounds_used: int
+
+
+@dataclass
+class ProbeSelector:
+    """The online rule of eq. (36): feed probes in round order, ask whether to stop.
+
+    Parameters
+    ----------
+    total_rounds : int
+        T.
+    patience : int
+        Snapshots without improvement of the best prediction before warm-up stops.
+    """
+
+    total_rounds: int
+    patience: int = 3
+    snapshots: list = field(default_factory=list)
+    curves: list = field(default_factory=list)
+    predictions: list = field(default_factory=list)
+    rate: float = 0.0
+    probe_rounds_used: int = 0
+
+    def add(self, round_index: int, losses) -> bool:
+        """Record the freeze-now probe forked at ``round_index``; True when warm-up should stop.
+
+        Every prediction is refitted with the rate shared by all probes so far.
+        """
+        self.snapshots.append(int(round_index))
+        self.curves.append(np.asarray(losses, dtype=np.float64))
+        self.probe_rounds_used += len(losses) - 1
+        horizons = self.total_rounds - np.asarray(self.snapshots)
+        preds, _, q = extrapolate(np.stack(self.curves), horizons)
+        self.predictions = [float(x) for x in preds]
+        self.rate = q
+        best = int(np.argmin(smoothed(self.predictions)))
+        return len(self.predictions) - 1 - best >= self.patience
+
+    def choose(self, stopped_at: int, continuing_loss: float | None = None) -> ProbeChoice:
+        """The best snapshot; ``continuing_loss`` (the run's loss at T, when it got there) is
+        the never-freeze candidate T0 = T."""
+        best = int(np.argmin(smoothed(self.predictions)))
+        t0, pred = self.snapshots[best], smoothed(self.predictions)[best]
+        if continuing_loss is not None and continuing_loss <= pred:
+            t0, pred = self.total_rounds, float(continuing_loss)
+        return ProbeChoice(warmup_rounds=int(t0), predicted_loss=float(pred),
+                           snapshots=tuple(self.snapshots), predictions=tuple(self.predictions),
+                           rate=float(self.rate), stopped_at=int(stopped_at),
+                           probe_rounds_used=int(self.probe_rounds_used))

@@ -1,0 +1,226 @@
+"""A finite-sample FedAvg run in numpy, with freeze-now probes (the probe estimator, eq. 36).
+
+The simulator of ``simulations.engine`` runs many settings at once in torch; this one runs one
+setting and one seed with no torch, so that ``linattn warmup`` can run the probe estimator on a
+problem file. It follows the same model: client m holds N sequences drawn from its teacher
+(eq. 1), a validation split (the last ``validation_fraction`` of them) is carved from that
+training data, and a round is K minibatch SGD steps of size eta on f_m (the ridges of eq. 3)
+from the global point, averaged with weights p_m (full participation).
+
+A minibatch step on (M, V) uses, per sequence, a = M^T x_q, w = Sigma_hat V, yhat = a^T w,
+r = yhat - y and
+
+    grad_V = mean_b (Sigma_hat a) r^T + lambda V,    grad_M = mean_b x_q (w r^T)^T + lambda_M M,
+
+the gradients of 1/2 ||x_q^T M Sigma_hat V - y||^2 (eq. 2). With M frozen, u = Sigma_hat M^T x_q
+is fixed and a step is grad_V = mean_b u (u^T V - y)^T + lambda V.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from linattn_theory.dynamics import InitialPoint
+from linattn_theory.errors import ParameterError, require
+from linattn_theory.probe import ProbeChoice, ProbeSelector
+from linattn_theory.problem import Problem
+
+__all__ = ["SampledClients", "sample_clients", "ProbeRun", "probe_run"]
+
+
+@dataclass(frozen=True)
+class SampledClients:
+    """Training and validation sequences per client: x_q (C, N, d), Sigma_hat (C, N, d, d),
+    y (C, N, d_y); the validation arrays have N_val in place of N."""
+
+    query: np.ndarray
+    sigma_hat: np.ndarray
+    target: np.ndarray
+    val_query: np.ndarray
+    val_sigma_hat: np.ndarray
+    val_target: np.ndarray
+
+
+def sample_clients(problem: Problem, samples_per_client: int, validation_fraction: float,
+                   rng: np.random.Generator) -> SampledClients:
+    """N sequences per client from its teacher (eq. 1); the last fraction is the validation
+    split."""
+    c, d, n = problem.num_clients, problem.dim, problem.context_length
+    chol = np.linalg.cholesky(problem.covariances)
+    z = rng.standard_normal((c, samples_per_client, n + 1, d))
+    x = z @ np.swapaxes(chol, 1, 2)[:, None]                 # rows x^T, (C, N, n+1, d)
+    query, context = x[:, :, 0], x[:, :, 1:]
+    sigma_hat = np.swapaxes(context, 2, 3) @ context / n      # (C, N, d, d)
+    a_star = query @ problem.kernel_teachers                  # (M*^T x_q)^T, (C, N, d)
+    target = (sigma_hat @ a_star[..., None])[..., 0] @ problem.value_teachers
+    target = target + problem.noise * rng.standard_normal(target.shape)
+    n_val = max(1, int(round(validation_fraction * samples_per_client)))
+    cut = samples_per_client - n_val
+    require(cut >= 1, "validation_fraction", validation_fraction,
+            "below 1 - 1/N, so that every client keeps training data")
+    return SampledClients(query[:, :cut], sigma_hat[:, :cut], target[:, :cut],
+                          query[:, cut:], sigma_hat[:, cut:], target[:, cut:])
+
+
+def _features(kernel, query, sigma_hat):
+    """u = Sigma_hat M^T x_q for a shared kernel: (C, N, d)."""
+    return (sigma_hat @ (query @ kernel)[..., None])[..., 0]
+
+
+def _validation_loss(problem, data, kernel, value) -> float:
+    """sum_m p_m mean_i 1/2 ||u_i^T V - y_i||^2 on the validation split."""
+    return _val_loss_from(problem, data, _features(kernel, data.val_query, data.val_sigma_hat),
+                          value)
+
+
+def _warmup_round(problem, data, kernel, value, lr, batches):
+    """One FedAvg round on (M, V): K minibatch steps per client from the global point."""
+    c = problem.num_clients
+    m = np.broadcast_to(kernel, (c, *kernel.shape)).copy()
+    v = np.broadcast_to(value, (c, *value.shape)).copy()
+    rows = np.arange(c)[:, None]
+    shrink_m, shrink_v = 1 - lr * problem.kernel_ridge, 1 - lr * problem.ridge
+    for idx in batches:                                       # (C, B) per local step
+        q, s, y = data.query[rows, idx], data.sigma_hat[rows, idx], data.target[rows, idx]
+        a = q @ m                                             # (C, B, d): (M^T x_q)^T
+        w = s @ v[:, None]                                    # (C, B, d, d_y): Sigma_hat V
+        res = np.einsum("cbk,cbka->cba", a, w) - y            # (C, B, d_y)
+        za = (s @ a[..., None])[..., 0]                       # Sigma_hat M^T x_q
+        scale = lr / idx.shape[1]
+        grad_v = np.einsum("cbk,cba->cka", za, res)
+        grad_m = np.einsum("cbj,cbka,cba->cjk", q, w, res)
+        m *= shrink_m
+        m -= scale * grad_m
+        v *= shrink_v
+        v -= scale * grad_v
+    p = problem.weights
+    return np.tensordot(p, m, axes=1), np.tensordot(p, v, axes=1)
+
+
+def _frozen_rounds(problem, data, feats, value, lr, schedule):
+    """Frozen rounds on V from ``value`` (features u fixed), one per entry of ``schedule`` (the
+    K minibatch draws of that round); V before the first and after each round."""
+    c = problem.num_clients
+    rows = np.arange(c)[:, None]
+    out = [value]
+    shrink = 1 - lr * problem.ridge
+    for batches in schedule:
+        v = np.broadcast_to(value, (c, *value.shape)).copy()
+        for idx in batches:
+            u, y = feats[rows, idx], data.target[rows, idx]
+            res = u @ v - y                                   # (C, B, d_y)
+            v *= shrink
+            v -= (lr / idx.shape[1]) * (u.mT @ res)
+        value = np.tensordot(problem.weights, v, axes=1)
+        out.append(value)
+    return out
+
+
+@dataclass(frozen=True)
+class ProbeRun:
+    """One finite-sample run with the probe estimator.
+
+    Attributes
+    ----------
+    choice : ProbeChoice
+        The chosen T0 and every snapshot's prediction.
+    kernel, value : ndarray
+        The final model (M_T0, V_T) after rolling back to T0 and freezing.
+    rounds_computed : dict
+        ``warmup`` (rounds of full training), ``probe`` (frozen probe rounds), ``frozen``
+        (frozen rounds after the roll-back), and ``fedavg_equivalent`` (the total against one
+        T-round run, counting a frozen round as one round).
+    """
+
+    choice: ProbeChoice
+    kernel: np.ndarray
+    value: np.ndarray
+    rounds_computed: dict
+
+
+def probe_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int,
+              total_rounds: int, seed: int = 0, batch_size: int = 32,
+              samples_per_client: int = 512, validation_fraction: float = 0.25,
+              interval: int | None = None, probe_rounds: int = 8,
+              patience: int = 3) -> ProbeRun:
+    """Run finite-sample FedAvg with freeze-now probes every ``interval`` rounds (eq. 36).
+
+    Parameters
+    ----------
+    problem, start : Problem, InitialPoint
+    lr, local_steps, total_rounds : float, int, int
+        eta, K, T.
+    seed : int
+        Fixes the data, the validation split and every minibatch draw.
+    batch_size, samples_per_client, validation_fraction : int, int, float
+        B, N (training + validation) and the validation share of N.
+    interval : int, optional
+        Rounds between snapshots (default max(1, T // 25)).
+    probe_rounds : int
+        r, frozen rounds per probe (>= 2).
+    patience : int
+        Snapshots without a better prediction before warm-up stops.
+    """
+    require(isinstance(total_rounds, int | np.integer) and total_rounds >= 1, "total_rounds",
+            total_rounds, "an integer T >= 1")
+    require(probe_rounds >= 2, "probe_rounds", probe_rounds, "an integer >= 2")
+    t_total = int(total_rounds)
+    interval = max(1, t_total // 25) if interval is None else int(interval)
+    data_rng, draw_rng = (np.random.default_rng(s)
+                          for s in np.random.SeedSequence(seed).spawn(2))
+    data = sample_clients(problem, samples_per_client, validation_fraction, data_rng)
+    c, n_train = problem.num_clients, data.query.shape[1]
+    bsz = min(batch_size, n_train)
+
+    def draws():
+        return [draw_rng.integers(0, n_train, size=(c, bsz)) for _ in range(local_steps)]
+
+    # every probe uses the same minibatch draws (common random numbers), so that snapshots
+    # differ by their model, not by their probe's noise
+    probe_rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(3)[2])
+    probe_draws = [[probe_rng.integers(0, n_train, size=(c, bsz)) for _ in range(local_steps)]
+                   for _ in range(probe_rounds)]
+
+    selector = ProbeSelector(t_total, patience=patience)
+    snapshots = {}
+    kernel, value = start.kernel.astype(np.float64), start.value.astype(np.float64)
+    stopped, continuing = t_total, None
+    with np.errstate(over="raise", invalid="raise"):
+        try:
+            for t in range(t_total + 1):
+                if t % interval == 0 and t < t_total:
+                    snapshots[t] = (kernel, value)
+                    feats = _features(kernel, data.query, data.sigma_hat)
+                    val_feats = _features(kernel, data.val_query, data.val_sigma_hat)
+                    path = _frozen_rounds(problem, data, feats, value, lr, probe_draws)
+                    losses = [_val_loss_from(problem, data, val_feats, v) for v in path]
+                    if selector.add(t, losses):
+                        stopped = t
+                        break
+                if t == t_total:
+                    continuing = _validation_loss(problem, data, kernel, value)
+                    break
+                kernel, value = _warmup_round(problem, data, kernel, value, lr, draws())
+        except FloatingPointError:
+            raise ParameterError(
+                f"lr={lr:g} with local_steps={local_steps}: the finite-sample run diverged "
+                f"in round {t}; lower lr") from None
+    choice = selector.choose(stopped, continuing)
+    frozen = 0
+    if choice.warmup_rounds < t_total:
+        kernel, value = snapshots[choice.warmup_rounds]
+        feats = _features(kernel, data.query, data.sigma_hat)
+        frozen = t_total - choice.warmup_rounds
+        value = _frozen_rounds(problem, data, feats, value, lr,
+                               [draws() for _ in range(frozen)])[-1]
+    warm = stopped
+    used = {"warmup": warm, "probe": choice.probe_rounds_used, "frozen": frozen}
+    used["fedavg_equivalent"] = (warm + choice.probe_rounds_used + frozen) / t_total
+    return ProbeRun(choice=choice, kernel=kernel, value=value, rounds_computed=used)
+
+
+def _val_loss_from(problem, data, val_feats, value) -> float:
+    res = val_feats @ value - data.val_target
+    return float(problem.weights @ (0.5 * np.mean(np.sum(res * res, axis=-1), axis=1)))

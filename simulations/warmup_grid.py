@@ -1,0 +1,172 @@
+"""The warm-up grid: the path-local bound (eqs. 31-35) and the probe estimator (eq. 36) on
+settings that differ from the validation grid (:mod:`simulations.grid`) in every factor.
+
+28 settings of a fractional design over dimension d, clients C, context length n, covariate
+shift rho, heterogeneity zeta (kernel and value), local steps K, step size eta, horizon T and
+the problem seed; no level is one of the validation grid's. Each factor's levels appear
+equally often, in an order shuffled per factor by a fixed generator (:func:`warmup_settings`).
+The last :data:`HELD_OUT` settings are the held-out part: the bound and the estimator are
+fixed before it is run, and both parts are reported.
+
+Measured per setting (exact population dynamics for every T0 in 0..T):
+- validity: E(T0) >= R(T0) at every T0;
+- tightness: E / R at the exact best T0;
+- agreement: the bound's argmin within a factor 2 of the exact argmin (T0 = 0 counted as 1);
+- the probe estimator's T0 (finite-sample numpy run, fixed seed): its excess R(T0_probe) / R*
+  - 1 and R(T0_probe) / R(T).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from linattn_theory.dynamics import initial_point
+from linattn_theory.errors import ParameterError
+from linattn_theory.problem import make_problem
+from linattn_theory.profile import solve_profile
+from linattn_theory.sampled import probe_run
+from linattn_theory.warmup_path import warmup_path
+
+SETTINGS = 28
+HELD_OUT = 8
+LEVELS = {
+    "dim": (4, 5, 10),
+    "num_clients": (6, 12, 20),
+    "context_length": (12, 24),
+    "covariate_shift": (0.0, 0.25, 0.75),
+    "heterogeneity": (0.3, 0.8, 1.5),
+    "local_steps": (3, 4, 7),
+    "lr": (0.03, 0.04, 0.07),
+    "total_rounds": (80, 150, 300),
+}
+NOISE, RIDGE = 0.2, 0.02
+PROBE = {"batch_size": 64, "samples_per_client": 2048, "probe_rounds": 10, "patience": 4}
+
+
+@dataclass(frozen=True)
+class WarmupSetting:
+    """One point of the warm-up grid."""
+
+    index: int
+    dim: int
+    num_clients: int
+    context_length: int
+    covariate_shift: float
+    heterogeneity: float
+    local_steps: int
+    lr: float
+    total_rounds: int
+
+    @property
+    def label(self) -> str:
+        return (f"d={self.dim},C={self.num_clients},n={self.context_length},"
+                f"rho={self.covariate_shift:g},zeta={self.heterogeneity:g},"
+                f"K={self.local_steps},lr={self.lr:g},T={self.total_rounds}")
+
+    @property
+    def held_out(self) -> bool:
+        return self.index >= SETTINGS - HELD_OUT
+
+    def problem(self):
+        return make_problem(dim=self.dim, num_clients=self.num_clients,
+                            context_length=self.context_length,
+                            kernel_heterogeneity=self.heterogeneity,
+                            value_heterogeneity=self.heterogeneity,
+                            covariate_shift=self.covariate_shift, ridge=RIDGE, noise=NOISE,
+                            seed=100 + self.index)
+
+
+def warmup_settings(count: int = SETTINGS) -> list[WarmupSetting]:
+    """The design: each factor's levels repeated to ``count`` entries and shuffled by a
+    generator seeded with the factor's position (balanced levels, fixed design)."""
+    columns = {}
+    for f, (name, levels) in enumerate(LEVELS.items()):
+        column = np.resize(np.arange(len(levels)), count)
+        np.random.default_rng(f).shuffle(column)
+        columns[name] = [levels[j] for j in column]
+    return [WarmupSetting(index=i, **{k: v[i] for k, v in columns.items()})
+            for i in range(count)]
+
+
+def _factor(a: int, b: int) -> float:
+    a, b = max(a, 1), max(b, 1)
+    return max(a, b) / min(a, b)
+
+
+def evaluate_setting(st: WarmupSetting, probe: bool = True, seed: int = 0) -> dict:
+    """Bound and probe numbers of one setting (see the module docstring)."""
+    problem = st.problem()
+    start = initial_point(problem)
+    star = solve_profile(problem).value
+    path = warmup_path(problem, start, st.lr, st.local_steps, st.total_rounds, star)
+    r = path.final_error
+    best, bound_t0 = path.best_warmup, path.bound_warmup
+    norm_t0 = int(np.argmin(path.norm_bound))
+    row = {"setting": st.label, "held_out": st.held_out, "exact_T0": best,
+           "R_min": float(r[best]), "R_never": float(r[-1]), "R_zero": float(r[0]),
+           "bound_T0": bound_t0, "valid": bool(np.all(path.bound >= r)),
+           "violations": int(np.sum(path.bound < r)),
+           "tightness": float(path.bound[best] / r[best]),
+           "factor": _factor(bound_t0, best), "within_factor_2": _factor(bound_t0, best) <= 2,
+           "norm_bound_valid": bool(np.all(path.norm_bound >= r)),
+           "norm_bound_tightness": float(path.norm_bound[best] / r[best]),
+           "norm_bound_T0": norm_t0, "norm_within_factor_2": _factor(norm_t0, best) <= 2}
+    if probe:
+        run = probe_run(problem, start, st.lr, st.local_steps, st.total_rounds, seed=seed,
+                        **PROBE)
+        t0 = run.choice.warmup_rounds
+        row.update({"probe_T0": t0, "probe_excess": float(r[t0] / r[best] - 1),
+                    "probe_vs_never": float(r[t0] / r[-1]),
+                    "probe_within_10pct": bool(r[t0] <= 1.1 * r[best]),
+                    "probe_not_worse_5pct": bool(r[t0] <= 1.05 * r[-1]),
+                    "probe_compute": run.rounds_computed["fedavg_equivalent"]})
+    return row
+
+
+def _summary(rows: list[dict]) -> dict:
+    if not rows:
+        return {}
+    out = {"settings": len(rows),
+           "validity_rate": float(np.mean([r["valid"] for r in rows])),
+           "median_tightness": float(np.median([r["tightness"] for r in rows])),
+           "max_tightness": float(np.max([r["tightness"] for r in rows])),
+           "within_factor_2_rate": float(np.mean([r["within_factor_2"] for r in rows])),
+           "norm_bound_validity_rate": float(np.mean([r["norm_bound_valid"] for r in rows])),
+           "norm_bound_median_tightness": float(np.median(
+               [r["norm_bound_tightness"] for r in rows])),
+           "norm_bound_within_factor_2_rate": float(np.mean(
+               [r["norm_within_factor_2"] for r in rows]))}
+    if "probe_T0" in rows[0]:
+        out.update({"probe_within_10pct_rate": float(np.mean(
+                        [r["probe_within_10pct"] for r in rows])),
+                    "probe_not_worse_5pct_rate": float(np.mean(
+                        [r["probe_not_worse_5pct"] for r in rows])),
+                    "probe_median_excess": float(np.median([r["probe_excess"] for r in rows])),
+                    "probe_max_vs_never": float(np.max([r["probe_vs_never"] for r in rows])),
+                    "probe_median_compute": float(np.median(
+                        [r["probe_compute"] for r in rows]))})
+    return out
+
+
+def run_warmup_grid(count: int = SETTINGS, probe: bool = True, part: str = "all") -> dict:
+    """Evaluate the grid; ``part`` is ``development``, ``held_out`` or ``all``.
+
+    Returns ``points`` (one row per setting; an unstable setting has ``error``) and
+    ``summary`` per part.
+    """
+    rows = []
+    for st in warmup_settings(count):
+        if (part == "development" and st.held_out) or (part == "held_out" and not st.held_out):
+            continue
+        try:
+            rows.append(evaluate_setting(st, probe))
+        except ParameterError as exc:
+            rows.append({"setting": st.label, "held_out": st.held_out, "error": str(exc)})
+    ok = [r for r in rows if "error" not in r]
+    return {"points": rows,
+            "summary": {"all": _summary(ok),
+                        "development": _summary([r for r in ok if not r["held_out"]]),
+                        "held_out": _summary([r for r in ok if r["held_out"]])},
+            "unstable": [r["setting"] for r in rows if "error" in r]}
