@@ -4,9 +4,10 @@ Three panels, one per axis, the other two held at the grid values where T0* is i
 (largest K, largest eta, largest zeta). Theory curves on a finer sweep than the grid, both
 computed here and cached:
 
-- population T0*: argmin over T0 = 0..T of the exact population dynamics' R(T0) (eqs. 19-21);
-- closed-form T0*: ``recommend_warmup`` (eqs. 27-29) from the measured constants
-  (``estimate_constants``), the same call as the validation makes.
+- exact T0*: argmin over T0 = 0..T of the exact population dynamics' R(T0) (eqs. 19-21), the
+  headline of ``recommend_warmup(problem, ...)``;
+- bound T0*: argmin of the path-local bound (eq. 35, ``linattn_theory.warmup_path``), the
+  ``closed_form`` of ``recommend_warmup``, the same numbers as the validation uses.
 
 Points: the simulator's empirical argmin at the grid points (P2's ``empirical_T0``, from
 ``validation.json``). A sweep point whose step size is unstable on the path is left out.
@@ -56,24 +57,17 @@ def sweeps(grid) -> dict[str, dict]:
 
 
 def theory_point(grid, problem, zeta: float, k: int, lr: float, star: float) -> dict:
-    """Population argmin and closed-form T0* at one (zeta, K, eta); NaN when unstable."""
-    from linattn_theory.constants import estimate_constants
+    """Exact argmin and the bound's T0* at one (zeta, K, eta); None when unstable."""
     from linattn_theory.errors import ParameterError
-    from linattn_theory.warmup import recommend_warmup
-    from simulations.metrics import population
+    from linattn_theory.warmup_path import warmup_path
 
     st = grid_setting(grid, zeta, k, lr, problem=problem,
                       warmup_rounds=tuple(range(grid.total_rounds + 1)))
     try:
-        pop = population(st, star)
-        consts = estimate_constants(problem, lr, k, grid.total_rounds, start=st.start(),
-                                    phi_star=star)
-        rec = recommend_warmup(consts.warmup_constants())
+        path = warmup_path(problem, st.start(), lr, k, grid.total_rounds, star)
     except ParameterError as exc:
-        return {"population": None, "closed_form": None, "bound_argmin": None,
-                "error": str(exc)}
-    return {"population": pop.best_warmup, "closed_form": rec.warmup_rounds,
-            "bound_argmin": rec.numeric_argmin}
+        return {"population": None, "closed_form": None, "error": str(exc)}
+    return {"population": path.best_warmup, "closed_form": path.bound_warmup}
 
 
 def theory_curves(grid, cache_dir=None) -> tuple[dict, bool]:
@@ -123,8 +117,8 @@ def make(result: dict, grid, out_dir=None, cache_dir=None) -> FigureOutput:
     for ax, axis in zip(axes, AXES):
         pts = curves[axis]
         x = np.array([p[axis] for p in pts], dtype=float)
-        for i, (key, label) in enumerate((("population", "population dynamics argmin"),
-                                          ("closed_form", "closed form (recommend_warmup)"))):
+        for i, (key, label) in enumerate((("population", "exact argmin (recommended T0)"),
+                                          ("closed_form", "path-local bound's T0* (eq. 35)"))):
             y = np.array([np.nan if p[key] is None else p[key] for p in pts], dtype=float)
             ax.plot(x, y, ms=3.5, label=label, **series_style(i))
         sim = optima[axis]
@@ -155,15 +149,15 @@ def caption(result: dict, grid, curves: dict) -> str:
     skipped = sum(p.get("error") is not None for pts in curves.values() for p in pts)
     closed = result["checks"]["P2"]["measured"]["closed_form_within_factor_2_rate"]
     return (f"Optimal warm-up T0* versus zeta, K and eta (T = {grid.total_rounds}); lines: "
-            f"population-dynamics argmin and closed-form recommend_warmup on a finer sweep, "
+            f"exact population-dynamics argmin (the recommended T0) and the path-local bound's "
+            f"T0* (eq. 35) on a finer sweep, "
             f"stars: simulator argmin at the grid points"
             + (f"; {skipped} unstable sweep points left out" if skipped else "")
             + f". P3 {'PASS' if check['pass'] else 'FAIL'}: T0* non-increasing on "
             f"{pct(m['monotone_rate_population'])} (population) and "
             f"{pct(m['monotone_rate_empirical'])} (simulator) of adjacent grid pairs; "
-            f"zeta = 0 flat or T0* = T: {fmt(m['iid_flat_or_T'])}. The closed form is within "
-            f"a factor 2 of the population T0* on {pct(closed)} of the heterogeneous points "
-            f"(P2).")
+            f"zeta = 0 flat or T0* = T: {fmt(m['iid_flat_or_T'])}. The bound's T0* is within "
+            f"a factor 2 of the exact T0* on {pct(closed)} of the heterogeneous points (P2).")
 
 
 def main(argv=None) -> int:

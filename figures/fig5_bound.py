@@ -1,10 +1,10 @@
-"""Figure 5: the stylized bound against the measured error (prediction P5).
+"""Figure 5: the path-local bound against the exact final error (prediction P5).
 
-Left: the stylized bound E_bound(T0) (eq. 27, regime chosen by ``recommend_warmup``) against
-the simulator's mean final error R(T0), one point per grid setting and T0; the bound is valid
-where the point lies above the diagonal. Right: tightness, bound / measured at the empirical
-best T0 of each setting (P5's ``tightness_at_empirical_T0``). Every number comes from
-``validation.json``; nothing is computed here.
+Left: the bound E(T0) (eq. 35, ``linattn_theory.warmup_path``) against the exact R(T0) of the
+population dynamics, one point per grid setting and T0; the bound is valid where the point lies
+above the diagonal. Right: tightness, bound / R at the exact best T0 of each setting (P5's
+``tightness_at_exact_T0``). Every number comes from ``validation.json``; nothing is computed
+here.
 
     python -m figures.fig5_bound [--quick] [--out DIR]
 """
@@ -27,7 +27,7 @@ def make(result: dict, grid, out_dir=None, cache_dir=None) -> FigureOutput:
     fig, axes = new_figure(ncols=2, width=3.9, height=3.5)
     lo, hi = np.inf, 0.0
     for label, s in result["settings"].items():
-        measured, bound = finite(s["R_sim_mean"]), finite(s["bound"])
+        measured, bound = finite(s["R_population"]), finite(s["bound"])
         ok = np.isfinite(measured) & np.isfinite(bound) & (measured > 0)
         style = series_style(levels.index(rows[label]["heterogeneity"]))
         axes[0].plot(measured[ok], bound[ok], style["marker"], ms=3.5, color=style["color"],
@@ -38,8 +38,8 @@ def make(result: dict, grid, out_dir=None, cache_dir=None) -> FigureOutput:
     axes[0].plot(span, span, color="0.5", ls=":", lw=1)
     axes[0].set_xscale("log")
     axes[0].set_yscale("log")
-    axes[0].set_xlabel(r"measured final error $R(T_0)$ (simulator mean)")
-    axes[0].set_ylabel(r"stylized bound $E_{bound}(T_0)$ (eq. 27)")
+    axes[0].set_xlabel(r"exact final error $R(T_0)$ (population dynamics)")
+    axes[0].set_ylabel(r"path-local bound $E(T_0)$ (eq. 35)")
     axes[0].set_title("validity: every point above the diagonal", fontsize=9)
     handles = [Line2D([], [], linestyle="none", mfc="white", marker=series_style(i)["marker"],
                       color=series_style(i)["color"], label=rf"$\zeta$={z:g}")
@@ -49,7 +49,7 @@ def make(result: dict, grid, out_dir=None, cache_dir=None) -> FigureOutput:
 
     p5 = check_points(result, "P5")
     for i, k in enumerate(steps):
-        pts = [(rows[r["setting"]]["heterogeneity"], r["tightness_at_empirical_T0"])
+        pts = [(rows[r["setting"]]["heterogeneity"], r["tightness_at_exact_T0"])
                for r in p5 if rows[r["setting"]]["local_steps"] == k]
         jitter = (i - (len(steps) - 1) / 2) * 0.03 * max(max(levels), 1e-9)
         style = series_style(i)
@@ -60,7 +60,7 @@ def make(result: dict, grid, out_dir=None, cache_dir=None) -> FigureOutput:
     axes[1].axhline(1.0, color="0.6", ls=":", lw=1, label="bound = measured")
     axes[1].set_yscale("log")
     axes[1].set_xlabel(r"heterogeneity $\zeta$")
-    axes[1].set_ylabel(r"tightness: bound / measured at best $T_0$")
+    axes[1].set_ylabel(r"tightness: bound / R at the best $T_0$")
     axes[1].set_title("tightness per grid setting", fontsize=9)
     axes[1].legend(fontsize=7, loc="best")
     paths = save(fig, NAME, out_dir)
@@ -71,9 +71,9 @@ def caption(result: dict) -> str:
     check = result["checks"]["P5"]
     m = check["measured"]
     points = sum(len(s["warmup_rounds"]) for s in result["settings"].values())
-    return (f"Stylized bound (eq. 27) against the simulator's mean final error: left, every "
-            f"setting and T0 ({points} points, log-log, diagonal = equality); right, bound / "
-            f"measured at each setting's empirical best T0. P5 "
+    return (f"Path-local bound (eq. 35) against the exact final error: left, every "
+            f"setting and T0 ({points} points, log-log, diagonal = equality); right, bound / R "
+            f"at each setting's exact best T0. P5 "
             f"{'PASS' if check['pass'] else 'FAIL'}: validity {pct(m['validity_rate'])}; "
             f"tightness median {fmt(m['median_tightness'])}, max {fmt(m['max_tightness'])}.")
 

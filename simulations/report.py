@@ -58,6 +58,29 @@ def points_table(check: dict, keys: list[str]) -> str:
     return "\n".join(lines)
 
 
+WARMUP_KEYS = ["held_out", "exact_T0", "bound_T0", "probe_T0", "valid", "tightness",
+               "within_factor_2", "norm_bound_tightness", "probe_excess", "probe_vs_never",
+               "probe_compute"]
+
+
+def _warmup_sections(checks: dict) -> list[str]:
+    """W1/W2: both parts of the warm-up grid and its per-setting table."""
+    if "W1" not in checks:
+        return []
+    w1 = checks["W1"]
+    lines = ["## W1/W2 warm-up grid (bound and probe estimator)", "",
+             "| part | " + " | ".join(w1["parts"]["development"]) + " |",
+             "|---|" + "---|" * len(w1["parts"]["development"])]
+    for part, summary in w1["parts"].items():
+        lines.append(f"| {part} | " + " | ".join(format_value(v) for v in summary.values())
+                     + " |")
+    if w1.get("unstable"):
+        lines += ["", "Unstable (left out, the warm-up diverges): " + "; ".join(w1["unstable"])]
+    rows = [r for r in w1["points"] if "error" not in r]
+    lines += ["", points_table({"points": rows}, WARMUP_KEYS), ""]
+    return lines
+
+
 def write_validation(result: dict, out_dir) -> Path:
     """Write JSON, markdown and figures into ``out_dir``; returns the directory."""
     out = Path(out_dir)
@@ -73,14 +96,16 @@ def write_validation(result: dict, out_dir) -> Path:
                                          "noise_term", "predicted", "ratio_measured_to_predicted",
                                          "within"]), "",
              "## P5 bound", "",
-             points_table(checks["P5"], ["regime", "violations", "tightness_at_empirical_T0",
-                                         "median_tightness", "drift_bound_at_T",
-                                         "measured_drift_at_T", "drift_slope_S", "mu_delta0"]),
+             points_table(checks["P5"], ["violations", "tightness_at_exact_T0",
+                                         "tightness_at_empirical_T0", "median_tightness",
+                                         "bound_above_sim_mean", "drift_bound_at_T",
+                                         "measured_drift_at_T"]),
              "",
              "## P6 factored vs merged", "",
              points_table(checks["P6"], ["T0_population_merged", "T0_population_factored",
                                          "T0_empirical_merged", "T0_empirical_factored",
                                          "max_abs_R_difference"]), "",
+             *_warmup_sections(checks),
              f"Timing: {format_value(result['timing'])}", ""]
     atomic_write_text(out / "validation.md", "\n".join(parts))
     _figures(result, out)

@@ -261,18 +261,21 @@ def test_recommend_warmup_from_constants():
 
 
 def test_recommend_warmup_from_problem():
+    """A problem gets the exact optimum over every T0, the path-local bound's T0* and R(T)."""
     problem = make_problem(dim=3, num_clients=4, context_length=4, kernel_heterogeneity=0.8,
                            value_heterogeneity=0.8, covariate_shift=0.3, seed=0)
     total = 60
-    rec = recommend_warmup(problem, lr=0.05, local_steps=4, total_rounds=total)
-    for name in ("rounds", "bias", "drift", "frozen", "transient", "total"):
-        curve = getattr(rec, name)
+    rec = recommend_warmup(problem, lr=0.05, local_steps=4, total_rounds=total, probe=False)
+    path = rec.path
+    for name in ("final_error", "bound", "bound_bias", "bound_drift", "bound_value"):
+        curve = getattr(path, name)
         assert curve.shape == (total + 1,) and np.all(np.isfinite(curve))
-    c = rec.constants
-    assert c.total_rounds == total and c.local_steps == 4 and c.lr == 0.05
-    assert c.measured_drift_error is not None and c.measured_drift_error > 0
-    assert c.heterogeneity > 0 and c.delta0 > 0 and 0 <= c.frozen_contraction < 1
-    assert 0 <= rec.warmup_rounds <= total
+    assert rec.warmup_rounds == int(np.argmin(path.final_error))
+    assert rec.closed_form == int(np.argmin(path.bound))
+    assert rec.recommended_error == path.final_error.min()
+    assert rec.never_freeze_error == path.final_error[-1]
+    assert np.all(path.bound >= path.final_error)
+    assert rec.probe_estimate is None
     with pytest.raises(ParameterError, match="local_steps"):
         recommend_warmup(problem, lr=0.05, total_rounds=total)
     with pytest.raises(ParameterError, match="constants"):
