@@ -4,7 +4,7 @@
     linattn figure N [--quick] [--out DIR] [--real-data RUNS_DIR] [--threads N] [--cache DIR]
 
 ``reproduce`` runs the theory and simulation checks P1-P6 (``simulations.validate``), draws
-figures 1-6 and 8 (and 7 with ``--real-data``) into DIR (default ``figures/out/`` under the
+figures 1-6 and 8-10 (and 7 with ``--real-data``) into DIR (default ``figures/out/`` under the
 current directory) and writes DIR/report.md with every prediction, its criterion, the numbers
 and PASS or FAIL. Intermediate results are cached in DIR/.cache, so a second call redraws in
 seconds. It needs no GPU and no download. The router (``linattn/cli.py``) passes argv with
@@ -24,7 +24,8 @@ from figures.common import FigureError
 
 MODULES = {1: "fig1_bias_drift", 2: "fig2_final_error", 3: "fig3_optimal_warmup",
            4: "fig4_frozen_floor", 5: "fig5_bound", 6: "fig6_gradient_jumps",
-           7: "fig7_real_data", 8: "fig8_partitions"}
+           7: "fig7_real_data", 8: "fig8_partitions", 9: "fig9_schedules",
+           10: "fig10_shift_map"}
 SIMULATED = (1, 2, 3, 4, 5, 6)  # the figures drawn from the validation result
 
 
@@ -35,14 +36,15 @@ class _Parser(argparse.ArgumentParser):
 
 DESCRIPTIONS = {
     "reproduce": "The main job: run the theory and simulation checks P1-P6, draw figures 1-6 "
-                 "and 8 (and 7 from existing real-data runs with --real-data), and write "
+                 "and 8-10 (and 7 from existing real-data runs with --real-data), and write "
                  "OUT/report.md with every prediction, its criterion, the numbers and PASS or "
                  "FAIL. Intermediate results are cached, so a second call redraws in seconds. "
                  "No GPU and no download needed.",
     "figure": "Draw one figure (PNG and PDF): 1 bias and drift versus T0, 2 final error "
               "versus T0, 3 optimal warm-up versus heterogeneity, K and lr, 4 frozen-stage "
               "floor, 5 stylized bound versus measured error, 6 gradient-norm jumps, 7 real "
-              "data (needs --real-data), 8 partitions.",
+              "data (needs --real-data), 8 partitions, 9 step-size decay and freezing, 10 "
+              "where freezing pays (covariate shift x teacher heterogeneity).",
 }
 
 
@@ -112,7 +114,7 @@ def reproduce(args, command: str) -> int:
                           "validation.json", lambda: validation(grid, out_dir, cache_dir))
     steps[-1]["cache"] = "yes" if hit else "no"
     print(f"  {steps[-1]['seconds']:.1f} s ({'cached' if hit else 'computed'})", flush=True)
-    numbers = [*SIMULATED, 8] + ([7] if args.real_data is not None else [])
+    numbers = [*SIMULATED, 8, 9, 10] + ([7] if args.real_data is not None else [])
     figures = []
     for number in numbers:
         fig = step(f"figure {number} ({MODULES[number]})",

@@ -35,7 +35,9 @@ TITLES = {1: "Bias and drift versus T0 (P1)", 2: "Final error versus T0 (P2)",
           3: "Optimal warm-up versus zeta, K, eta (P3)", 4: "Frozen-stage floor versus K (P4)",
           5: "Stylized bound versus measured error (P5)",
           6: "Gradient-norm jumps after aggregation", 7: "Real data",
-          8: "Partitions: label mix per client"}
+          8: "Partitions: label mix per client",
+          9: "Step-size decay and freezing (exact dynamics)",
+          10: "Where freezing pays: covariate shift x teacher heterogeneity"}
 
 
 def verdict(check: dict) -> str:

@@ -75,8 +75,9 @@ def simulator_check(quick: bool = False, seeds: int = 4) -> dict:
     """Simulator against exact dynamics on :func:`check_cells`: the ratios of both."""
     seed_list = list(range(seeds))
     out = []
+    samples = 256 if quick else SAMPLES_PER_CLIENT
     for part, cell in check_cells(quick):
-        sim = simulated_table(cell, seed_list)
+        sim = simulated_table(cell, seed_list, samples=samples)
         exact = excess_table(cell, 0)
         row = {"part": part, "label": cell.label,
                "covariate_shift": cell.covariate_shift,
@@ -96,7 +97,7 @@ def simulator_check(quick: bool = False, seeds: int = 4) -> dict:
         both = [(r["simulator"][key] < 0.9, r["exact"][key] < 0.9) for r in valid]
         return float(np.mean([a == b for a, b in both])) if both else None
 
-    return {"seeds": seeds, "samples_per_client": SAMPLES_PER_CLIENT,
+    return {"seeds": seeds, "samples_per_client": samples,
             "batch_size": BATCH_SIZE, "problem_seed": 0, "cells": out,
             "agreement_below_0.9": {k: agree(k) for k in
                                     ("both_over_decay", "cut_frozen_over_cut")}}
