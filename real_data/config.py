@@ -127,6 +127,11 @@ class TrainConfig:
     # the round's lr = lr * multiplier(round): a kind (constant, step, cosine, exponential,
     # plateau) or a mapping of linattn_theory.schedules.LRSchedule's fields
     lr_schedule: str | dict = "constant"
+    # transfer initialization for any algorithm: a file written by `linattn pretrain`; the
+    # initial global model takes its parameters (the head stays freshly initialized unless
+    # init_reset_head is false), as FedSQ's algorithm.pretrained does
+    init_from: str | None = None
+    init_reset_head: bool = True
 
     @property
     def schedule(self) -> LRSchedule:

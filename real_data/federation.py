@@ -146,6 +146,13 @@ class Federation:
                                self.optimizer, seed=cfg.role_seed("training"),
                                model=dataclasses.asdict(mcfg))
         self.algorithm = get_algorithm(cfg.algorithm.name)(cfg.algorithm.params, ctx)
+        if t.init_from is not None and getattr(cfg.algorithm.params, "init", None) == \
+                "pretrained":
+            from linattn.errors import ConfigError
+
+            raise ConfigError("train.init_from and algorithm.pretrained both initialize the "
+                              "model; FedSQ takes its pretrained model from "
+                              "algorithm.pretrained, so leave train.init_from null")
         self.engine = get_engine(t.engine)
         self.planner = BatchPlanner(partition.train, cfg.role_seed("training"), t.batch_size,
                                     t.local_steps, t.local_epochs, self.device)
@@ -157,6 +164,13 @@ class Federation:
     # -- state --------------------------------------------------------------------------------
     def initial_state(self) -> FedState:
         params = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        t = self.cfg.train
+        if t.init_from is not None:  # transfer initialization, whatever the algorithm
+            from real_data.pretrain import checked_pretrained, transfer_init
+
+            loaded = checked_pretrained(t.init_from, self.algorithm.ctx, "train.init_from",
+                                        t.init_reset_head)
+            params = transfer_init(params, loaded, self.algorithm.ctx, t.init_reset_head)
         params = self.algorithm.init_global_params(params)
         return FedState(0, params, self.algorithm.init_client_state(params),
                         self.algorithm.init_server_state(params))

@@ -151,6 +151,44 @@ def load_pretrained(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     return payload["params"], payload.get("meta", {})
 
 
+def checked_pretrained(path: str | Path, ctx, key: str, reset_head: bool = True
+                       ) -> dict[str, torch.Tensor]:
+    """The parameters of pretrained file ``path`` for the model of ``ctx`` (an
+    :class:`~real_data.algorithms.AlgorithmContext`); every mismatch (model settings,
+    parameter names, shapes outside the head when ``reset_head``) is a UserError naming
+    ``key`` and the fix."""
+    from real_data.models import names_of_kind
+
+    loaded, meta = load_pretrained(path)
+    trained_on, ours = meta.get("model_config") or {}, ctx.model or {}
+    for field in ("attention", "activation", "dim", "depth", "heads", "mlp_dim"):
+        if field in trained_on and field in ours and trained_on[field] != ours[field]:
+            raise UserError(f"{key}={path}: pretrained with model.{field}="
+                            f"{trained_on[field]!r}, this run has model.{field}="
+                            f"{ours[field]!r}; pretrain with the run's model (linattn pretrain "
+                            f"--config <run config> ... model.{field}=<value>)")
+    missing = [n for n in ctx.names if n not in loaded]
+    if missing or set(loaded) - set(ctx.names):
+        raise UserError(f"{key}={path}: its parameters do not match the model (missing "
+                        f"{missing[:5]}); pretrain with the run's model")
+    head = names_of_kind(ctx.groups, "head")
+    for n, shape in ctx.shapes.items():
+        if tuple(loaded[n].shape) != tuple(shape) and not (reset_head and n in head):
+            raise UserError(f"{key}={path}: {n} has shape {tuple(loaded[n].shape)}, the "
+                            f"model {tuple(shape)}")
+    return loaded
+
+
+def transfer_init(params: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor], ctx,
+                  reset_head: bool = True) -> dict[str, torch.Tensor]:
+    """``params`` with every tensor replaced by the pretrained one (the head kept as
+    initialized when ``reset_head``)."""
+    from real_data.models import names_of_kind
+
+    keep = names_of_kind(ctx.groups, "head") if reset_head else ()
+    return {n: p if n in keep else loaded[n].to(p.device, p.dtype) for n, p in params.items()}
+
+
 def run_pretrain(cfg, settings: PretrainSettings, out: Path, dataset=None) -> dict:
     """Pretrain the model of run config ``cfg`` on ``settings.source``; write ``out``.
 

@@ -11,11 +11,11 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from linattn.errors import ConfigError, UserError
+from linattn.errors import ConfigError
 from real_data.algorithms.base import Algorithm, RoundPlan
 from real_data.models.groups import names_of_kind
 from real_data.models.layers import MLP, Attention
-from real_data.pretrain import load_pretrained
+from real_data.pretrain import checked_pretrained, transfer_init
 
 
 @dataclass(frozen=True)
@@ -180,32 +180,13 @@ class FedSQ(Algorithm):
             self._pretrained = self._load(params.pretrained)
 
     def _load(self, path: str) -> dict[str, torch.Tensor]:
-        loaded, meta = load_pretrained(path)
-        trained_on, ours = meta.get("model_config") or {}, self.ctx.model or {}
-        for key in ("attention", "activation", "dim", "depth", "heads", "mlp_dim"):
-            if key in trained_on and key in ours and trained_on[key] != ours[key]:
-                raise UserError(f"algorithm.pretrained={path}: pretrained with model.{key}="
-                                f"{trained_on[key]!r}, this run has model.{key}={ours[key]!r}; "
-                                "pretrain with the run's model (linattn pretrain --config "
-                                "<run config> ... model.<key>=<value>)")
-        missing = [n for n in self.ctx.names if n not in loaded]
-        if missing or set(loaded) - set(self.ctx.names):
-            raise UserError(f"algorithm.pretrained={path}: its parameters do not match the "
-                            f"model (missing {missing[:5]}); pretrain with the run's model")
-        for n, shape in self.ctx.shapes.items():
-            same = tuple(loaded[n].shape) == tuple(shape)
-            if not same and not (self.params.reset_head and n in self.head):
-                raise UserError(f"algorithm.pretrained={path}: {n} has shape "
-                                f"{tuple(loaded[n].shape)}, the model {tuple(shape)}")
-        return loaded
+        return checked_pretrained(path, self.ctx, "algorithm.pretrained", self.params.reset_head)
 
     # -- state --------------------------------------------------------------------------------
     def init_global_params(self, global_params):
         if self._pretrained is None:
             return global_params
-        keep = self.head if self.params.reset_head else ()
-        return {n: p if n in keep else self._pretrained[n].to(p.device, p.dtype)
-                for n, p in global_params.items()}
+        return transfer_init(global_params, self._pretrained, self.ctx, self.params.reset_head)
 
     def init_server_state(self, global_params):
         structure = None
