@@ -79,8 +79,18 @@ class PartitionConfig:
     min_size: int = 10
     classes_per_client: int = 2
     validation_fraction: float | None = None  # share of each client's samples held out
+    # concept or covariate shift on top of the scheme (real_data.data.shift), e.g.
+    # {kind: concept, classes: 4, groups: 2} or {kind: covariate, transform: rotation, spread: 45}
+    shift: dict | None = None
 
     def __post_init__(self) -> None:
+        from linattn.errors import DataError
+        from real_data.data.shift import shift_from_dict
+
+        try:
+            shift_from_dict(self.shift)
+        except DataError as exc:
+            raise ConfigError(str(exc)) from None
         vf = self.validation_fraction
         if vf is not None and (isinstance(vf, bool) or not isinstance(vf, (int, float))
                                or not 0 < vf <= 0.5):

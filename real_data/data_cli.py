@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import time
 
@@ -51,6 +52,14 @@ def _parser() -> argparse.ArgumentParser:
     pt.add_argument("--seed", type=int, default=0, help="partition seed (default 0)")
     pt.add_argument("-p", "--param", action="append", default=[], metavar="KEY=VALUE",
                     help="scheme parameter, e.g. alpha=0.1 (repeatable)")
+    pt.add_argument("--validation-fraction", type=float, default=None, metavar="F",
+                    help="hold out this share of each client's training samples for "
+                    "validation (0 < F <= 0.5)")
+    pt.add_argument("--shift", metavar="YAML",
+                    help="concept or covariate shift on top of the scheme, e.g. "
+                    "'{kind: concept, classes: 4, groups: 2}' or '{kind: covariate, transform: "
+                    "rotation, spread: 45}' (saved in the partition's parameters; the plot "
+                    "shows each client's own labels)")
     pt.add_argument("--out", required=True, help="partition file (.npz)")
     pt.add_argument("--plot", help="also draw the label counts to this image file")
     pt.add_argument("--root", help=root_help)
@@ -131,7 +140,24 @@ def _partition(args) -> int:
         params[key] = _value(value)
     opts = {} if args.train_limit is None else {"train_limit": args.train_limit}
     dataset = load_dataset(args.dataset, args.root, **opts)
-    partition = make_partition(dataset, args.scheme, args.clients, args.seed, **params)
+    shift = None
+    if args.shift is not None:
+        import yaml
+
+        from real_data.data.shift import shift_from_dict
+
+        try:
+            shift = shift_from_dict(yaml.safe_load(args.shift), "--shift")
+        except yaml.YAMLError as exc:
+            raise DataError(f"--shift {args.shift!r} is not YAML ({exc})") from None
+    partition = make_partition(dataset, args.scheme, args.clients, args.seed,
+                               validation_fraction=args.validation_fraction, **params)
+    if shift is not None:
+        from real_data.data.shift import apply_shift
+
+        dataset, shifted = apply_shift(dataset, partition, shift)
+        # the file keeps the unshifted partition; the shift is a parameter it is rebuilt from
+        partition = dataclasses.replace(partition, params=shifted.params)
     path = save_partition(partition, args.out)
     sizes = partition.sizes
     print(f"{path}: {partition.num_clients} clients, train sizes {sizes.min()}..{sizes.max()} "

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from linattn.configio import load_yaml
@@ -74,6 +75,28 @@ def make_partition_for(cfg: Config, dataset):
                           seed=cfg.role_seed("partition"),
                           validation_fraction=cfg.partition.validation_fraction,
                           **cfg.partition.scheme_params())
+
+
+def shifted(cfg: Config, dataset, partition) -> tuple:
+    """``(dataset, partition)`` under ``partition.shift`` (:mod:`real_data.data.shift`): the
+    run directory keeps the unshifted partition and the config, from which the shifted data
+    are rebuilt. One copy per data set, partition and shift in this process, so stacked runs
+    on one partition share it."""
+    if cfg.partition.shift is None:
+        return dataset, partition
+    from real_data.data.shift import apply_shift
+
+    key = (id(dataset), partition.seed, repr(sorted(cfg.partition.shift.items())),
+           hash(np.concatenate([*partition.train, *partition.val]).tobytes()),
+           hash(np.concatenate(partition.test).tobytes()))
+    if key not in _SHIFTED or _SHIFTED[key][0] is not dataset:
+        while len(_SHIFTED) >= 2:
+            _SHIFTED.pop(next(iter(_SHIFTED)))
+        _SHIFTED[key] = (dataset, apply_shift(dataset, partition, cfg.partition.shift))
+    return _SHIFTED[key][1]
+
+
+_SHIFTED: dict[tuple, tuple] = {}
 
 
 def resolve(cfg: Config, dataset) -> Config:
@@ -142,7 +165,7 @@ def prepare_start(cfg: Config, out: Path | None = None, dataset=None, partition=
     cfg = resolve(cfg, dataset)
     device = device or resolve_device(cfg.train.device)
     check_memory(cfg, dataset, partition, device)
-    fed = Federation(cfg, dataset, partition, device=device, trainer=trainer)
+    fed = Federation(cfg, *shifted(cfg, dataset, partition), device=device, trainer=trainer)
     _check_output_options(cfg)
     run_dir = Path(out) if out else _fresh_dir(Path(cfg.run.out_dir) / run_name(cfg, fed))
     lock = rundir.create_locked(run_dir)
@@ -207,6 +230,7 @@ def _open_locked(run_dir: Path, lock: RunLock, trainer, dataset, device) -> Prep
     partition = load_partition(run_dir / "partition.npz")
     device = device or resolve_device(cfg.train.device)
     check_memory(cfg, dataset, partition, device)
+    dataset, partition = shifted(cfg, dataset, partition)
     fed = Federation(cfg, dataset, partition, device=device, trainer=trainer)
     ckpt = run_dir / "checkpoints" / "last.pt"
     state, elapsed = fed.initial_state(), 0.0

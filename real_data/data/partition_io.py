@@ -151,6 +151,9 @@ def plot_partition(partition: Partition, labels, num_classes: int | None = None,
     ax.set_ylabel("training samples")
     params = ", ".join(f"{k}={v}" for k, v in partition.params.items()
                        if k in ("alpha", "classes_per_client", "min_size", "select"))
+    shift = partition.params.get("shift")
+    if shift:
+        params += (", " if params else "") + " ".join(f"{k}={v}" for k, v in shift.items())
     ax.set_title(title or f"{partition.scheme} ({params}) seed={partition.seed}".replace(" ()", ""))
     if path is not None:
         fig.savefig(path, dpi=120)
