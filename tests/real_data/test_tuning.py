@@ -146,3 +146,16 @@ def test_bad_tuning_plans_name_the_key(tmp_path, mutate, key):
         study.load_plan(_write(tmp_path, data), tmp_path / "out")
     res = run_cli("study", "--plan", str(tmp_path / "plan.yaml"), "--out", str(tmp_path / "o"))
     assert res.returncode == 2 and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("name,runs", [("fair", 1401), ("fair_digits", 144)])
+def test_shipped_tuned_plans_expand(name, runs):
+    plan = study.load_plan(name)
+    tune = study.tuning_plan(plan)
+    specs = study.plan_runs(tune)
+    assert len(specs) == runs and {s.seed for s in specs} == {plan.tune.seed}
+    assert plan.tune.seed not in plan.sweeps[0].seeds  # tuned on a seed the finals do not use
+    for spec in specs[::97]:  # a sample of configs resolves
+        cfg = study.run_config(spec, spec.warmup_rounds)
+        assert cfg.partition.validation_fraction == plan.tune.validation_fraction
+        assert cfg.eval.test is False
