@@ -1,6 +1,6 @@
 """The schedule study's spot check in the finite-sample simulator.
 
-For a subset of cells (:func:`check_cells`: the eight study cells with d = 4, C = 4, T = 40
+For a subset of cells (:func:`check_cells`: the eight study cells with C = 4, K = 10, T = 40
 and six map cells at eta = 0.06), problem seed 0, every schedule of
 :func:`~simulations.schedule_study.decay_schedules` runs in the simulator (N = 2048 sequences
 per client, B = 32, ``seeds`` Monte Carlo seeds) with the study's T0 sweep. R(schedule, T0) is
@@ -36,7 +36,7 @@ def check_cells(quick: bool = False) -> list[tuple[str, Cell]]:
     if quick:
         return [("map", c) for c in map_cells(True)[:2]]
     study = [("study", c) for c in study_cells()
-             if c.dim == 4 and c.num_clients == 4 and c.total_rounds == 40]
+             if c.num_clients == 4 and c.local_steps == 10 and c.total_rounds == 40]
     shown = {(1.0, 1.0), (1.0, 0.0), (0.5, 0.5)}
     chosen = [("map", c) for c in map_cells() if c.lr == 0.06
               and (c.kernel_heterogeneity, c.value_heterogeneity) in shown

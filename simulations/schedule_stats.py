@@ -108,6 +108,21 @@ def study_summary(rows: list[dict], seeds) -> dict:
             "frozen_over_decay": _stats(r["frozen_over_decay"] for r in held),
             "by_factor": by_factor(held),
         },
+        "where_it_adds": {
+            "oracle": _stats(r["both_over_decay"] for r in ok if r["both_over_decay"] < 0.99),
+            "held_out": _stats(r["both_over_decay"] for r in held
+                               if r["both_over_decay"] < 0.99),
+        },
+        "by_shift_and_local_steps": {
+            f"rho={rho:g},K={k}": {
+                "oracle": _stats(r["both_over_decay"] for r in ok
+                                 if r["covariate_shift"] == rho and r["local_steps"] == k),
+                "held_out": _stats(r["both_over_decay"] for r in held
+                                   if r["covariate_shift"] == rho and r["local_steps"] == k),
+                "frozen_over_decay": _stats(r["frozen_over_decay"] for r in ok
+                                            if r["covariate_shift"] == rho
+                                            and r["local_steps"] == k)}
+            for rho in STUDY_LEVELS["covariate_shift"] for k in STUDY_LEVELS["local_steps"]},
         "cells_where_freezing_adds": [c for c in cells if c["both_over_decay"] < 0.9],
         "cells": len(cells),
     }
