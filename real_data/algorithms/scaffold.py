@@ -1,4 +1,4 @@
-"""SCAFFOLD (Karimireddy et al., 2020) with option II control variates."""
+"""SCAFFOLD (Karimireddy et al., 2020, Algorithm 1) with option II control variates."""
 
 from __future__ import annotations
 
@@ -41,17 +41,37 @@ class ScaffoldState:
 class Scaffold(Algorithm):
     """Drift-corrected local steps with server and client control variates c, c_m.
 
-    Local step: y <- y - eta (g_m(y) + c - c_m). This is written as the local objective
-    h_m(y) = L_m(y) + <c - c_m, y>, whose gradient is exactly that corrected gradient, so the
-    logged ``local_objective`` is what the optimizer follows (``train_loss`` is L_m alone).
-
-    After K_m local steps (option II): c_m+ = c_m - c + (x - y_m) / (K_m eta); the client sends
-    y_m and Delta c_m = c_m+ - c_m. Server: x <- x + eta_g sum_m p_m (y_m - x) and
+    The paper's local step is plain SGD on the corrected gradient,
+    y <- y - eta (g_m(y) + c - c_m), and after K_m steps option II sets
+    c_m+ = c_m - c + (x - y_m) / (K_m eta). The client sends y_m and
+    Delta c_m = c_m+ - c_m. Server: x <- x + eta_g sum_m p_m (y_m - x) and
     c <- c + (1/N) sum_{m in S} Delta c_m (N clients in all, as in the paper's |S|/N * mean).
     Both control variates are updated in :meth:`update_client_state`, where the Delta c_m are
-    formed; :meth:`server_update` moves x only.
-    With momentum or Adam the (x - y)/(K eta) estimate is only approximate; the paper uses SGD.
-    Control variates are sent with the model, doubling both directions' traffic.
+    formed; :meth:`server_update` moves x only. eta is the round's learning rate
+    (``round_lr``, so an lr schedule is followed). Control variates are sent with the model,
+    doubling both directions' traffic.
+
+    The local optimizer decides how the correction enters; in each case option II recovers
+    c_m+ as the client's gradient in the units the correction is applied in, so a variate's
+    error is not fed back (with c - c_m in the gradient and (x - y)/(K eta) under momentum
+    0.9, K = 10, each participation would multiply it by 1 - 4.14 = -3.1):
+
+    - SGD, with or without heavy-ball momentum beta: the corrected gradient g_m + c - c_m is
+      what the optimizer steps on (the local objective h_m(y) = L_m(y) + <c - c_m, y>, so it is
+      clipped with the data gradient and the logged ``local_objective`` is h_m). Under a
+      constant gradient G the momentum buffer of step k is a_k G with
+      a_k = (1 - beta^k) / (1 - beta), so the displacement is eta A_K G with
+      A_K = sum_{k <= K} a_k = (K - beta (1 - beta^K) / (1 - beta)) / (1 - beta);
+      option II divides by A_K eta instead of K eta (A_K = K without momentum: the paper's
+      step and estimate exactly; A_10 = 41.4 for beta = 0.9).
+    - Adam: the correction stays outside the optimizer, as in the public implementations that
+      run SCAFFOLD with other optimizers (NIID-Bench's ``train_net_scaffold``, the Flower
+      baseline's ``ScaffoldOptimizer.step_custom``): Adam steps on g_m alone and the engine
+      then subtracts eta (c - c_m) from the parameters (:meth:`step_correction`). With u_k
+      Adam's direction, y_K = x - eta sum_k u_k - K eta (c - c_m), and option II with K eta
+      gives c_m+ = (1/K) sum_k u_k, Adam's mean direction, in the units of the correction.
+      Adam's normalization makes a gradient-space correction inside it meaningless. Here
+      ``local_objective`` equals ``train_loss``.
     """
 
     name = "scaffold"
@@ -70,18 +90,44 @@ class Scaffold(Algorithm):
         size = sum(int(torch.Size(self.ctx.shapes[n]).numel()) for n in names)
         return RoundPlan(names, names, names, extra_upload=size, extra_download=size)
 
+    def _inside(self) -> bool:
+        """True when the correction enters the gradient (SGD), False when it is applied
+        after the optimizer's step (Adam)."""
+        return self.ctx.optimizer.name == "sgd"
+
     def regularizer(self, params, anchor, client_state, server_state):
+        if not self._inside():
+            return 0.0
         c = server_state.c
         return sum(((c[n] - client_state[n]) * p).sum() for n, p in params.items())
+
+    def step_correction(self, trainable, client_state, server_state):
+        """Adam: d_m = c - c_m ``(C, ...)`` for the round's clients (``client_state`` is
+        sliced to them), applied as y <- y - eta d_m after every optimizer step; SGD: ``None``
+        (the correction is in the gradient)."""
+        if self._inside():
+            return None
+        c = server_state.c
+        return {n: c[n].to(client_state[n].dtype) - client_state[n] for n in trainable}
+
+    def effective_steps(self, steps: torch.Tensor) -> torch.Tensor:
+        """``(C,)`` A_K: the displacement of K local steps under a constant gradient, in
+        units of eta times that gradient (K for SGD and for Adam, whose correction is
+        outside it; the sum of heavy-ball weights with momentum)."""
+        k = steps.double()
+        beta = self.ctx.optimizer.momentum if self._inside() else 0.0
+        if not beta:
+            return k
+        return (k - beta * (1 - beta**k) / (1 - beta)) / (1 - beta)
 
     def update_client_state(self, rnd, client_ids, global_params, results, client_state,
                             server_state):
         idx = torch.as_tensor(client_ids, device=results.steps.device).long()
-        k_eta = results.steps.double() * self.round_lr  # (C,): K eta of this round
+        a_eta = self.effective_steps(results.steps) * self.round_lr  # (C,): A_K eta
         server_c = server_state.c
         for n, c in list(server_c.items()):
             y = results.params[n]
-            scale = k_eta.to(y.device).reshape(-1, *([1] * (y.dim() - 1))).to(y.dtype)
+            scale = a_eta.to(y.device).reshape(-1, *([1] * (y.dim() - 1))).to(y.dtype)
             ci = client_state[n][idx.to(client_state[n].device)]
             ci_new = ci - c + (global_params[n] - y) / scale
             delta_c = (ci_new - ci).sum(dim=0)  # sum over the round's clients of Delta c_m

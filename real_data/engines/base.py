@@ -301,4 +301,21 @@ class ClientResults:
     steps: torch.Tensor
 
 
+def step_correction(job: LocalJob) -> dict[str, torch.Tensor] | None:
+    """The algorithm's per-step correction of the round's clients, or ``None``.
+
+    An algorithm may define ``step_correction(trainable, client_state, server_state)``
+    returning, for every trainable parameter, a ``(C, ...)`` tensor d_m (constant over the
+    round).
+    Every engine then applies it after each optimizer step of client m, outside the
+    optimizer's state: y <- y - eta_m d_m, with eta_m the learning rate of that step (an idle
+    step of a client that finished early applies nothing). SCAFFOLD's drift correction
+    c - c_m enters this way, as its public implementations apply it.
+    """
+    fn = getattr(job.algorithm, "step_correction", None)
+    if fn is None:
+        return None
+    return fn(job.trainable, job.client_state, job.server_state)
+
+
 Engine = Callable[[LocalJob], ClientResults]

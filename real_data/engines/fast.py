@@ -21,8 +21,10 @@ sequential reference), organised for a GPU:
 
 Graphs are cached by everything they capture (model, trainable set, data tensors, shapes,
 optimizer, precision); :func:`clear_cache` releases them. A regularizer that returns a tensor
-(FedProx, SCAFFOLD) runs under ``vmap`` in the eager step, without a graph, since it may read
-server state that changes between rounds.
+(FedProx) runs under ``vmap`` in the eager step, without a graph, since it may read server
+state that changes between rounds; so does an algorithm's step correction (SCAFFOLD's c - c_m,
+:func:`~real_data.engines.base.step_correction`), a ``(Cc, P)`` buffer subtracted after each
+optimizer step.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import torch
 from torch.func import vmap
 
 from real_data.engines import flat_update, optim
-from real_data.engines.base import ClientResults, LocalJob, client_losses
+from real_data.engines.base import ClientResults, LocalJob, client_losses, step_correction
 from real_data.engines.fast_setup import RunnerSetup as _Setup
 from real_data.engines.fast_setup import make_setup as _setup
 from real_data.engines.stacked import stacked_forward
@@ -96,6 +98,8 @@ class _Runner:
         self.lr = torch.zeros(cc, 1, dtype=dt, device=dev)
         # stacked runs: 1 where a client trains a column, 0 where its run keeps it frozen
         self.mask = torch.ones_like(self.flat) if setup.masked else None
+        # the algorithm's step correction d_m: y <- y - eta d_m after each optimizer step
+        self.corr = torch.zeros_like(self.flat) if setup.correction else None
         offsets = torch.tensor([0] + self.numel, dtype=torch.int64).cumsum(0).tolist()
         self.columns = {n: (offsets[i], offsets[i + 1])
                         for i, n in enumerate(setup.trainable)}
@@ -139,8 +143,10 @@ class _Runner:
         return [p.view(flat.shape[0], *s) for p, s in zip(parts, self.setup.shapes)]
 
     # -- per chunk ----------------------------------------------------------------------------
-    def load(self, job: LocalJob, rows: torch.Tensor) -> None:
-        """Start values, optimizer state, batches and accumulators of the clients ``rows``."""
+    def load(self, job: LocalJob, rows: torch.Tensor,
+             correction: dict[str, torch.Tensor] | None = None) -> None:
+        """Start values, optimizer state, batches and accumulators of the clients ``rows``
+        (``correction``: the job's :func:`step_correction`, computed here if not given)."""
         if any(n in job.overrides for n in self.views):
             for n, view in self.views.items():
                 view.copy_(job.start(n)[rows])
@@ -163,15 +169,22 @@ class _Runner:
             for n in self.setup.masked:
                 a, b = self.columns[n]
                 self.mask[:, a:b].copy_(job.train_mask[n][rows].unsqueeze(1))
+        if self.corr is not None:
+            d = step_correction(job) if correction is None else correction
+            for n, view in zip(self.setup.trainable, self._split(self.corr)):
+                view.copy_(d[n][rows])
+            if self.mask is not None:
+                self.corr.mul_(self.mask)
         self.idx.copy_(job.batches.idx[rows])
         self.active.copy_(job.batches.active[rows])
         for t in (self.s, self.count, *self.acc.values()):
             t.zero_()
 
-    def run(self, job: LocalJob, rows: torch.Tensor, steps: int) -> None:
+    def run(self, job: LocalJob, rows: torch.Tensor, steps: int,
+            correction: dict[str, torch.Tensor] | None = None) -> None:
         """Load the clients ``rows`` and take ``steps`` local steps (graph replays on CUDA)."""
         self.job = job
-        self.load(job, rows)
+        self.load(job, rows, correction)
         if self.setup.graphs and self.graph is None and not self.eager:
             try:
                 self._capture()
@@ -181,7 +194,7 @@ class _Runner:
                 self.graph, self.eager = None, True
                 self.sgd = None  # eagerly its address table would sync every step
                 torch.cuda.synchronize()
-            self.load(job, rows)  # the warm-up steps changed the buffers
+            self.load(job, rows, correction)  # the warm-up steps changed the buffers
         for _ in range(steps):
             if self.graph is not None:
                 self.graph.replay()
@@ -240,6 +253,16 @@ class _Runner:
             self.account_fn(norms.double(), data.detach(), obj.detach(), on, first)
         else:
             self.apply_fn(list(grads), data.detach(), obj.detach(), on, first)
+        if self.corr is not None:
+            self._correct(on)
+
+    def _correct(self, on: torch.Tensor) -> None:
+        """y <- y - eta d_m after the optimizer step (clients that finished early: nothing)."""
+        if self.setup.ragged:
+            self.flat.copy_(torch.where(on.unsqueeze(1), self.flat - self.lr * self.corr,
+                                        self.flat))
+        else:
+            self.flat.sub_(self.lr * self.corr)
 
     def _apply(self, grads: list[torch.Tensor], data: torch.Tensor, obj: torch.Tensor,
                on: torch.Tensor, first: torch.Tensor) -> None:
@@ -349,6 +372,7 @@ def train_fast(job: LocalJob, graphs: bool = True, compile: bool | str = False,
     n_chunks = -(-shape // cc)
     cc = -(-shape // n_chunks)  # equal chunks: one graph; the last one padded
     runner = _runner(job, setup, cc)
+    correction = step_correction(job) if setup.correction else None
     # copied now, while the device is idle: a host-to-device copy after the queued steps would
     # hold the host until they finish
     steps = job.batches.steps.to(dev).double()
@@ -357,7 +381,7 @@ def train_fast(job: LocalJob, graphs: bool = True, compile: bool | str = False,
     for a in range(0, n_clients, cc):
         real = min(cc, n_clients - a)
         rows = torch.arange(a, a + cc, device=dev).clamp(max=n_clients - 1)
-        runner.run(job, rows, setup.steps)
+        runner.run(job, rows, setup.steps, correction)
         flat[a:a + real].copy_(runner.flat[:real])
         for k, t in runner.acc.items():
             acc[k][a:a + real].copy_(t[:real])

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from real_data.engines.base import LocalJob
+from real_data.engines.base import LocalJob, step_correction
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class RunnerSetup:
     fold_norms: bool = True
     triton_update: bool = True
     masked: tuple[str, ...] = ()  # trainable names some clients do not train (stacked runs)
+    correction: bool = False  # the algorithm's step correction (engines.base.step_correction)
 
 
 def regularizer_kind(job: LocalJob) -> object:
@@ -49,6 +50,7 @@ def make_setup(job: LocalJob, graphs: bool, compile: bool | str, attention: str 
            fold_norms: bool = True, triton_update: bool = True) -> RunnerSetup:
     fixed = [n for n in job.global_params if n not in job.trainable]
     reg = regularizer_kind(job)
+    correction = step_correction(job) is not None
     dev = job.x.device
     steps = job.batches.steps  # on the CPU: no device sync
     ragged = bool((steps != steps.max()).any())
@@ -65,10 +67,11 @@ def make_setup(job: LocalJob, graphs: bool, compile: bool | str, attention: str 
         data=(job.x.data_ptr(), tuple(job.x.shape), job.x.dtype, job.y.data_ptr(),
               tuple(job.y.shape), str(dev), tuple(sorted(job.client_state))),
         model=id(job.model),
-        graphs=graphs and dev.type == "cuda" and reg != "tensor",
+        graphs=graphs and dev.type == "cuda" and reg != "tensor" and not correction,
         compile=compile,
         attention=attention,
         fold_norms=fold_norms,
         triton_update=triton_update,
         masked=tuple(n for n in job.trainable if n in job.train_mask),
+        correction=correction,
     )

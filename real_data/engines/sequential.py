@@ -11,7 +11,7 @@ import contextlib
 import numpy as np
 import torch
 
-from real_data.engines.base import ClientResults, LocalJob, task_loss
+from real_data.engines.base import ClientResults, LocalJob, step_correction, task_loss
 
 
 def _optimizer(job: LocalJob, params: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -31,6 +31,7 @@ def train_sequential(job: LocalJob) -> ClientResults:
     fixed_names = [n for n in job.global_params if n not in job.trainable]
     rows: dict[str, list] = {k: [] for k in ("loss", "obj", "first", "gfirst", "glast")}
     finals: dict[str, list[torch.Tensor]] = {n: [] for n in job.trainable}
+    correction = step_correction(job)  # (C, ...) per parameter, applied after each step
     for c, m in enumerate(job.client_ids):
         # 1. the client's start point: global values, or its personalized overrides
         fixed = {n: job.start(n)[c] for n in fixed_names}
@@ -59,6 +60,10 @@ def train_sequential(job: LocalJob) -> ClientResults:
                 if spec.clip_grad_norm is not None:
                     torch.nn.utils.clip_grad_norm_(list(train.values()), spec.clip_grad_norm)
                 opt.step()
+                if correction is not None:  # y <- y - eta d_m, outside the optimizer
+                    with torch.no_grad():
+                        for n, d in correction.items():
+                            train[n].add_(d[c], alpha=-spec.lr)
                 losses.append(data.detach())
                 objs.append(obj.detach())
                 norms.append(gn)

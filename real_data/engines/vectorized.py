@@ -21,7 +21,7 @@ import torch
 from torch.func import grad, vmap
 
 from real_data.engines import fast, optim
-from real_data.engines.base import ClientResults, LocalJob, task_loss
+from real_data.engines.base import ClientResults, LocalJob, step_correction, task_loss
 
 
 def train_vectorized(job: LocalJob) -> ClientResults:
@@ -67,6 +67,7 @@ def train_vmap(job: LocalJob) -> ClientResults:
     # 1. stacked start points (a real copy: the optimizer must not write into global params)
     train = {n: job.start(n).clone() for n in job.trainable}
     state = optim.init_state(spec, train)
+    correction = step_correction(job)  # (C, ...) per parameter, applied after each step
     idx, active = job.batches.idx, job.batches.active
     n_clients, n_steps = active.shape
     ragged = not bool(active.all())
@@ -91,6 +92,8 @@ def train_vmap(job: LocalJob) -> ClientResults:
                 old_train = train
                 old_state = {k: dict(v) for k, v in state.items()}
             train = optim.step(spec, train, grads, state, count)
+            if correction is not None:  # y <- y - eta d_m, outside the optimizer
+                train = {n: p - spec.lr * correction[n] for n, p in train.items()}
             if ragged:
                 # 4. clients that already finished keep their parameters and state
                 train = {n: torch.where(_bc(on, p), p, old_train[n]) for n, p in train.items()}
