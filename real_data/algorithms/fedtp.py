@@ -22,15 +22,20 @@ class FedTPParams:
         authors' ``Personalized-T``, each client keeps its own W_k between rounds.
     embedding_dim, hidden_dim, n_hidden : int
         Client embedding size (128), MLP width (150) and hidden (ReLU, Linear) blocks (3).
-    server_lr, server_momentum, server_weight_decay : float
-        The hypernetwork's SGD: eta_phi = 0.01, momentum 0.9, weight decay 1e-3.
+    server_lr : float or None
+        The hypernetwork's SGD step size eta_phi. ``None`` (the default): the clients' learning
+        rate of the round (``train.lr`` under its schedule), as the authors' code steps it
+        (``torch.optim.SGD(hnet.parameters(), lr=args.lr, ...)`` in their ``main.py``). A
+        number fixes eta_phi, a deviation from the authors.
+    server_momentum, server_weight_decay : float
+        The hypernetwork's SGD momentum 0.9 and weight decay 1e-3 (the authors').
     """
 
     variant: Literal["hypernetwork", "vanilla"] = "hypernetwork"
     embedding_dim: int = 128
     hidden_dim: int = 150
     n_hidden: int = 3
-    server_lr: float = 0.01
+    server_lr: float | None = None
     server_momentum: float = 0.9
     server_weight_decay: float = 1e-3
 
@@ -40,8 +45,9 @@ class FedTPParams:
                 raise ConfigError(f"algorithm.{key}={getattr(self, key)} must be >= 1")
         if self.n_hidden < 0:
             raise ConfigError(f"algorithm.n_hidden={self.n_hidden} must be >= 0")
-        if self.server_lr <= 0:
-            raise ConfigError(f"algorithm.server_lr={self.server_lr} must be > 0")
+        if self.server_lr is not None and not self.server_lr > 0:
+            raise ConfigError(f"algorithm.server_lr={self.server_lr} must be > 0 or null "
+                              "(the clients' learning rate)")
         if not 0 <= self.server_momentum < 1:
             raise ConfigError(f"algorithm.server_momentum={self.server_momentum} must be "
                               "in [0, 1)")
@@ -86,8 +92,9 @@ class FedTP(Algorithm):
        layer) written in, and trains all parameters locally;
     2. the server averages every parameter with p_k (FedAvg); for the non-attention
        parameters this is the new global model;
-    3. with delta_k = W_k - W_k^after, one SGD step (momentum 0.9, weight decay 1e-3) on phi
-       with gradient sum_k p_k (dW_k / dphi)^T delta_k (:func:`hypernet_gradient`).
+    3. with delta_k = W_k - W_k^after, one SGD step (step size the clients' learning rate of
+       the round, momentum 0.9, weight decay 1e-3) on phi with gradient
+       sum_k p_k (dW_k / dphi)^T delta_k (:func:`hypernet_gradient`).
 
     Evaluation is personalized: client m is evaluated with the global model plus h(e_m; phi)
     on its local test split; ``local_acc_micro`` is the micro average over all clients.
@@ -105,7 +112,9 @@ class FedTP(Algorithm):
       and its ``test_acc`` is not meaningful (report ``local_acc_*``).
     - The hypernetwork is initialized by PyTorch's defaults under the run's training seed.
     - The authors' script steps the hypernetwork with the clients' learning rate (``args.lr``,
-      0.01 in their runs); here it is its own setting, ``server_lr``, 0.01 by default.
+      constant in their runs); under an lr schedule it is the round's rate (``round_lr``), so
+      the hypernetwork and the clients decay together. Its momentum buffer persists across
+      rounds, as their optimizer's does.
     - Any client may be sampled any round; the embedding table has one row per client and its
       weight decay applies to every row each step (a dense gradient, as with ``torch.optim``).
     """
@@ -185,8 +194,12 @@ class FedTP(Algorithm):
         grads = hypernet_gradient(hnet, ids.long(), deltas, weights)
         p = self.params
         server_state.momentum = sgd_momentum_step(
-            list(hnet.parameters()), grads, server_state.momentum, p.server_lr,
+            list(hnet.parameters()), grads, server_state.momentum, self.hypernet_lr(),
             p.server_momentum, p.server_weight_decay)
+
+    def hypernet_lr(self) -> float:
+        """eta_phi of this round: ``server_lr``, or the clients' learning rate of the round."""
+        return self.round_lr if self.params.server_lr is None else self.params.server_lr
 
     def eval_params(self, client_id, global_params, client_state, server_state):
         if self.hypernetwork:

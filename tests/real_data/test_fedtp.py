@@ -88,12 +88,18 @@ def _spy(fed, jobs):
     fed.engine = spy
 
 
-def test_round_takes_one_sgd_step_on_the_p_weighted_delta(digits64):
-    """End to end: phi_1 = phi_0 - eta (g + lambda phi_0), g from the brute-force Jacobian
-    with delta_k = W_k (generated) - W_k (after local training), p_k = n_k / sum n."""
+@pytest.mark.parametrize("server_lr", [None, 0.03])
+def test_round_takes_one_sgd_step_on_the_p_weighted_delta(digits64, server_lr):
+    """End to end: phi_1 = phi_0 - eta_phi (g + lambda phi_0), g from the brute-force Jacobian
+    with delta_k = W_k (generated) - W_k (after local training), p_k = n_k / sum n; eta_phi
+    is the clients' learning rate of the round (here 0.2 / 2 in the first round of a linear
+    warm-up), or a fixed ``server_lr``."""
     part = random_partition(digits64, 4, seed=2, alpha=0.5)
+    fixed = [] if server_lr is None else [f"algorithm.server_lr={server_lr}"]
     fed = federation(tiny_config(*FEDTP, "train.clients_per_round=3", "model.dim=4",
-                                 "algorithm.embedding_dim=3", "algorithm.hidden_dim=5"),
+                                 "algorithm.embedding_dim=3", "algorithm.hidden_dim=5",
+                                 "train.lr_schedule={kind: constant, warmup_rounds: 2}",
+                                 *fixed),
                      digits64, part)
     state, jobs = fed.initial_state(), []
     _spy(fed, jobs)
@@ -113,9 +119,45 @@ def test_round_takes_one_sgd_step_on_the_p_weighted_delta(digits64):
         torch.testing.assert_close(ref(ids)[a].detach(), job.overrides[a], rtol=0, atol=0)
     g = brute_force_gradient(ref, ids, deltas, n / n.sum())
     p = algo.params
+    eta = 0.1 if server_lr is None else server_lr  # train.lr 0.2, warm-up multiplier 1/2
+    assert fed.round_lr(fed.initial_state(), 1) == pytest.approx(0.1, rel=1e-15)
     for new, old, gr in zip(hnet.parameters(), before, g):
-        want = old - p.server_lr * (gr + p.server_weight_decay * old)
+        want = old - eta * (gr + p.server_weight_decay * old)
         torch.testing.assert_close(new.detach(), want, rtol=1e-10, atol=1e-13)
+
+
+def test_hypernetwork_follows_the_clients_lr_schedule(digits64):
+    """Over 4 rounds of a step schedule (0.2, 0.2, 0.02, 0.02), the hypernetwork equals
+    ``torch.optim.SGD`` (momentum 0.9, weight decay 1e-3, state kept across rounds) whose lr
+    is set to the clients' learning rate before each round's step, within 1e-12."""
+    part = random_partition(digits64, 4, seed=3, alpha=0.5)
+    fed = federation(tiny_config(*FEDTP, "train.clients_per_round=3", "model.dim=4",
+                                 "algorithm.embedding_dim=3", "algorithm.hidden_dim=5",
+                                 "train.rounds=4",
+                                 "train.lr_schedule={kind: step, milestones: [0.5], factor: 0.1}"),
+                     digits64, part)
+    state, jobs = fed.initial_state(), []
+    _spy(fed, jobs)
+    hnet = state.server_state.hypernet
+    ref = _copy_with(hnet, [p.detach() for p in hnet.parameters()])
+    opt = torch.optim.SGD(ref.parameters(), lr=1.0, momentum=0.9, weight_decay=1e-3)
+    lrs = []
+    for rnd in range(1, 5):
+        lrs.append(fed.round_lr(state, rnd))
+        state, _ = fed.run_round(state, rnd)
+        job, res = jobs[-1]
+        ids = torch.as_tensor(job.client_ids)
+        n = torch.as_tensor(part.sizes[job.client_ids], dtype=torch.float64)
+        deltas = {a: job.overrides[a] - res.params[a] for a in fed.algorithm.attn}
+        grads = hypernet_gradient(ref, ids, deltas, n / n.sum())
+        for group in opt.param_groups:
+            group["lr"] = lrs[-1]
+        for p, g in zip(ref.parameters(), grads):
+            p.grad = g
+        opt.step()
+        for a, b in zip(hnet.parameters(), ref.parameters()):
+            torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-12, atol=1e-12)
+    assert lrs == pytest.approx([0.2, 0.2, 0.02, 0.02], rel=1e-12)
 
 
 def _copy_with(hnet, values):
@@ -234,7 +276,7 @@ def test_digits_beats_chance(digits, variant):
                       "train.rounds=8", "eval.every=8")
     _, rec = train_rounds(federation(cfg, digits, part), 8)
     acc = next(v for r, c, k, v in rec if r == 8 and c == "global" and k == "local_acc_micro")
-    # the generated attention moves one server step (eta_phi = 0.01) a round, so FedTP starts
+    # the generated attention moves one server step (eta_phi = lr = 0.01) a round, so FedTP starts
     # slowly; 8 rounds reach about 0.36 (hypernetwork) and 0.58 (vanilla); chance is 0.1
     assert acc > 0.2, acc
 
