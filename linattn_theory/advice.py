@@ -22,8 +22,9 @@ from linattn_theory.warmup_path import WarmupPath, warmup_path
 
 __all__ = ["WarmupAdvice", "advise_warmup", "PROBE_DEFAULTS"]
 
-PROBE_DEFAULTS = {"batch_size": 64, "samples_per_client": 2048, "probe_rounds": 10,
-                  "patience": 4}
+PROBE_DEFAULTS = {"batch_size": 256, "samples_per_client": 4096, "validation_fraction": 0.25,
+                  "probe_rounds": 10, "patience": 4, "max_rate": 1.0, "margin": 1.0,
+                  "window": 4}
 
 
 @dataclass(frozen=True)

@@ -6,17 +6,23 @@ finite-sample simulator (:mod:`linattn_theory.sampled`) and a real-network runne
 same functions.
 
 Every ``interval`` rounds the run keeps a snapshot t_j and forks a short continuation with the
-attention kernel frozen: ``probe_rounds`` rounds of the frozen stage, with a validation loss
-l_j(s) after each (s = 0..r). The frozen stage is a contraction (eq. 16), so its loss approaches
-its floor geometrically, l(s) ~ l_inf + b q^s; :func:`extrapolate` fits (l_inf, b) per probe
-and one q shared by all probes, and predicts the loss after the T - t_j frozen rounds that
-freezing at t_j would leave:
+attention kernel frozen: ``probe_rounds`` rounds of the frozen stage, with the validation
+objective l_j(s) after each (s = 0..r): the training objective, weight decay included, on a
+validation split carved from the clients' training data. The frozen stage is a contraction
+(eq. 16), so its loss approaches its floor geometrically, l(s) ~ l_inf + b q^s;
+:func:`extrapolate` fits (l_inf, b) per probe and one q shared by neighbouring probes, and
+predicts the loss after the T - t_j frozen rounds that freezing at t_j would leave:
 
     P_j = l_inf + b q^(T - t_j).                                                        (36)
 
-The run stops warming up once the best prediction has not improved for ``patience`` snapshots,
-rolls back to the best snapshot and freezes there (:class:`ProbeSelector`). If it reaches T, the
-never-freeze loss l_T (continuing) is compared with the best prediction as well.
+Each prediction uses the rate fitted on its own probe and the ``window - 1`` before it (the
+frozen stage's rate changes slowly along the run). The predictions are smoothed by a running
+median of three, and their noise is estimated from their second differences,
+sigma = 1.4826 median|P_{j+1} - 2 P_j + P_{j-1}| / sqrt(6). The run stops warming up once the
+last ``patience`` smoothed predictions all exceed the best one by more than ``margin`` sigma
+(default 1), rolls back
+to the best snapshot and freezes there (:class:`ProbeSelector`). If it reaches T, it freezes only
+if the best prediction beats the never-freeze loss l_T (continuing) by more than sigma.
 """
 
 from __future__ import annotations
@@ -52,13 +58,14 @@ def _fit(curves: np.ndarray):
     return resid, floors, scales
 
 
-def extrapolate(curves, horizons) -> tuple[np.ndarray, np.ndarray, float]:
+def extrapolate(curves, horizons, max_rate: float = 1.0) -> tuple[np.ndarray, np.ndarray, float]:
     """Fit l_j(s) = l_inf_j + b_j q^s with one rate q shared by all curves and predict
     l_j(horizon_j) (eq. 36).
 
     The frozen stages of nearby snapshots contract at nearly the same rate, so sharing q makes
     the fit of short, noisy curves stable; q is chosen on a grid in [0, 0.999] by least
-    squares, (l_inf_j, b_j >= 0) by linear least squares for each q.
+    squares, (l_inf_j, b_j >= 0) by linear least squares for each q. A horizon within the
+    curve (horizon_j <= r) is read off the curve.
 
     Parameters
     ----------
@@ -66,6 +73,8 @@ def extrapolate(curves, horizons) -> tuple[np.ndarray, np.ndarray, float]:
         Validation losses after s = 0..r frozen rounds, r >= 2.
     horizons : int or array (J,)
         The frozen rounds each fork would get (T - t_j).
+    max_rate : float
+        The largest rate considered.
 
     Returns
     -------
@@ -75,10 +84,15 @@ def extrapolate(curves, horizons) -> tuple[np.ndarray, np.ndarray, float]:
     require(y.shape[1] >= 3 and np.all(np.isfinite(y)), "curves", y.shape,
             "finite curves of at least 3 values (s = 0..r, r >= 2)")
     resid, floors, scales = _fit(y)
+    resid = np.where(_RATES <= max_rate, resid, np.inf)
     best = int(np.argmin(resid))
     q = float(_RATES[best])
-    h = np.broadcast_to(np.maximum(np.asarray(horizons, dtype=np.float64), 0.0), (y.shape[0],))
-    return floors[best] + scales[best] * q**h, floors[best], q
+    h = np.broadcast_to(np.maximum(np.asarray(horizons, dtype=np.int64), 0), (y.shape[0],))
+    model = floors[best] + scales[best] * q ** h.astype(np.float64)
+    # a fork whose remaining rounds the probe has already run needs no model: read it off
+    seen = h < y.shape[1]
+    model[seen] = y[seen, h[seen]]
+    return model, floors[best], q
 
 
 def smoothed(predictions) -> np.ndarray:
@@ -104,7 +118,7 @@ class ProbeChoice:
     snapshots, predictions : tuple
         Every probed snapshot t_j and its prediction P_j.
     rate : float
-        The fitted contraction q of the frozen-stage loss, shared by all probes.
+        The fitted contraction q of the frozen-stage loss at the last probe.
     stopped_at : int
         The round at which warm-up stopped (T if it ran to the end).
     probe_rounds_used : int
@@ -129,38 +143,60 @@ class ProbeSelector:
     total_rounds : int
         T.
     patience : int
-        Snapshots without improvement of the best prediction before warm-up stops.
+        Snapshots that must all lie above the best prediction (by ``margin`` sigma) before
+        warm-up stops.
+    window : int
+        Probes that share one fitted rate (the current one and those before it).
+    max_rate : float
+        The largest rate q the fit may take.
+    margin : float
+        The stop rule's margin in units of sigma.
     """
 
     total_rounds: int
-    patience: int = 3
+    patience: int = 4
+    window: int = 4
+    max_rate: float = 1.0
+    margin: float = 1.0
     snapshots: list = field(default_factory=list)
     curves: list = field(default_factory=list)
     predictions: list = field(default_factory=list)
     rate: float = 0.0
     probe_rounds_used: int = 0
 
+    def noise(self) -> float:
+        """sigma of the predictions, from their second differences (0 with fewer than 3)."""
+        x = np.asarray(self.predictions)
+        if x.size < 3:
+            return 0.0
+        return float(1.4826 * np.median(np.abs(np.diff(x, 2))) / np.sqrt(6.0))
+
     def add(self, round_index: int, losses) -> bool:
         """Record the freeze-now probe forked at ``round_index``; True when warm-up should stop.
 
-        Every prediction is refitted with the rate shared by all probes so far.
+        The new prediction (36) uses the rate shared with the ``window - 1`` probes before it.
         """
         self.snapshots.append(int(round_index))
         self.curves.append(np.asarray(losses, dtype=np.float64))
         self.probe_rounds_used += len(losses) - 1
-        horizons = self.total_rounds - np.asarray(self.snapshots)
-        preds, _, q = extrapolate(np.stack(self.curves), horizons)
-        self.predictions = [float(x) for x in preds]
+        recent = np.stack(self.curves[-self.window:])
+        horizons = self.total_rounds - np.asarray(self.snapshots[-self.window:])
+        preds, _, q = extrapolate(recent, horizons, self.max_rate)
+        self.predictions.append(float(preds[-1]))
         self.rate = q
-        best = int(np.argmin(smoothed(self.predictions)))
-        return len(self.predictions) - 1 - best >= self.patience
+        smooth = smoothed(self.predictions)
+        best = int(np.argmin(smooth))
+        tail = smooth[best + 1:]
+        return tail.size >= self.patience and bool(
+            np.min(tail[-self.patience:]) > smooth[best] + self.margin * self.noise())
 
     def choose(self, stopped_at: int, continuing_loss: float | None = None) -> ProbeChoice:
         """The best snapshot; ``continuing_loss`` (the run's loss at T, when it got there) is
-        the never-freeze candidate T0 = T."""
-        best = int(np.argmin(smoothed(self.predictions)))
-        t0, pred = self.snapshots[best], smoothed(self.predictions)[best]
-        if continuing_loss is not None and continuing_loss <= pred:
+        the never-freeze candidate T0 = T, kept unless a snapshot beats it by sigma."""
+        smooth = smoothed(self.predictions)
+        best = int(np.argmin(smooth))
+        t0, pred = self.snapshots[best], float(smooth[best])
+        if continuing_loss is not None and continuing_loss <= pred + self.noise():
             t0, pred = self.total_rounds, float(continuing_loss)
         return ProbeChoice(warmup_rounds=int(t0), predicted_loss=float(pred),
                            snapshots=tuple(self.snapshots), predictions=tuple(self.predictions),

@@ -70,9 +70,17 @@ def _features(kernel, query, sigma_hat):
 
 
 def _validation_loss(problem, data, kernel, value) -> float:
-    """sum_m p_m mean_i 1/2 ||u_i^T V - y_i||^2 on the validation split."""
-    return _val_loss_from(problem, data, _features(kernel, data.val_query, data.val_sigma_hat),
-                          value)
+    """The objective F of eq. (3) on the validation split: sum_m p_m mean_i 1/2
+    ||u_i^T V - y_i||^2 + (lambda/2)||V||^2 + (lambda_M/2)||M||^2."""
+    feats = _features(kernel, data.val_query, data.val_sigma_hat)
+    return _val_loss_from(problem, data, feats, value) + _penalty(problem, kernel, value)
+
+
+def _penalty(problem, kernel, value) -> float:
+    """(lambda/2)||V||^2 + (lambda_M/2)||M||^2: the ridges are part of the objective R measures,
+    and the kernels of different snapshots differ in norm."""
+    return 0.5 * (problem.ridge * float(np.sum(value * value))
+                  + problem.kernel_ridge * float(np.sum(kernel * kernel)))
 
 
 def _warmup_round(problem, data, kernel, value, lr, batches):
@@ -141,10 +149,11 @@ class ProbeRun:
 
 
 def probe_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int,
-              total_rounds: int, seed: int = 0, batch_size: int = 32,
-              samples_per_client: int = 512, validation_fraction: float = 0.25,
-              interval: int | None = None, probe_rounds: int = 8,
-              patience: int = 3) -> ProbeRun:
+              total_rounds: int, seed: int = 0, batch_size: int = 256,
+              samples_per_client: int = 4096, validation_fraction: float = 0.25,
+              interval: int | None = None, probe_rounds: int = 10,
+              patience: int = 4, max_rate: float = 1.0, margin: float = 1.0,
+              window: int = 4) -> ProbeRun:
     """Run finite-sample FedAvg with freeze-now probes every ``interval`` rounds (eq. 36).
 
     Parameters
@@ -160,8 +169,8 @@ def probe_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int
         Rounds between snapshots (default max(1, T // 25)).
     probe_rounds : int
         r, frozen rounds per probe (>= 2).
-    patience : int
-        Snapshots without a better prediction before warm-up stops.
+    patience, max_rate, margin, window : int, float, float, int
+        The selection rule (:class:`linattn_theory.probe.ProbeSelector`).
     """
     require(isinstance(total_rounds, int | np.integer) and total_rounds >= 1, "total_rounds",
             total_rounds, "an integer T >= 1")
@@ -183,7 +192,8 @@ def probe_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int
     probe_draws = [[probe_rng.integers(0, n_train, size=(c, bsz)) for _ in range(local_steps)]
                    for _ in range(probe_rounds)]
 
-    selector = ProbeSelector(t_total, patience=patience)
+    selector = ProbeSelector(t_total, patience=patience, window=window, max_rate=max_rate,
+                             margin=margin)
     snapshots = {}
     kernel, value = start.kernel.astype(np.float64), start.value.astype(np.float64)
     stopped, continuing = t_total, None
@@ -195,7 +205,8 @@ def probe_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int
                     feats = _features(kernel, data.query, data.sigma_hat)
                     val_feats = _features(kernel, data.val_query, data.val_sigma_hat)
                     path = _frozen_rounds(problem, data, feats, value, lr, probe_draws)
-                    losses = [_val_loss_from(problem, data, val_feats, v) for v in path]
+                    losses = [_val_loss_from(problem, data, val_feats, v)
+                              + _penalty(problem, kernel, v) for v in path]
                     if selector.add(t, losses):
                         stopped = t
                         break

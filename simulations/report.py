@@ -58,7 +58,7 @@ def points_table(check: dict, keys: list[str]) -> str:
     return "\n".join(lines)
 
 
-WARMUP_KEYS = ["held_out", "exact_T0", "bound_T0", "probe_T0", "valid", "tightness",
+WARMUP_KEYS = ["part", "exact_T0", "bound_T0", "probe_T0", "valid", "tightness",
                "within_factor_2", "norm_bound_tightness", "probe_excess", "probe_vs_never",
                "probe_compute"]
 
@@ -68,11 +68,11 @@ def _warmup_sections(checks: dict) -> list[str]:
     if "W1" not in checks:
         return []
     w1 = checks["W1"]
+    keys = list(next(iter(w1["parts"].values())))
     lines = ["## W1/W2 warm-up grid (bound and probe estimator)", "",
-             "| part | " + " | ".join(w1["parts"]["development"]) + " |",
-             "|---|" + "---|" * len(w1["parts"]["development"])]
+             "| part | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
     for part, summary in w1["parts"].items():
-        lines.append(f"| {part} | " + " | ".join(format_value(v) for v in summary.values())
+        lines.append(f"| {part} | " + " | ".join(format_value(summary.get(k)) for k in keys)
                      + " |")
     if w1.get("unstable"):
         lines += ["", "Unstable (left out, the warm-up diverges): " + "; ".join(w1["unstable"])]

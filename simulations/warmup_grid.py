@@ -1,12 +1,13 @@
 """The warm-up grid: the path-local bound (eqs. 31-35) and the probe estimator (eq. 36) on
 settings that differ from the validation grid (:mod:`simulations.grid`) in every factor.
 
-28 settings of a fractional design over dimension d, clients C, context length n, covariate
+28 + 8 settings of a fractional design over dimension d, clients C, context length n, covariate
 shift rho, heterogeneity zeta (kernel and value), local steps K, step size eta, horizon T and
 the problem seed; no level is one of the validation grid's. Each factor's levels appear
 equally often, in an order shuffled per factor by a fixed generator (:func:`warmup_settings`).
-The last :data:`HELD_OUT` settings are the held-out part: the bound and the estimator are
-fixed before it is run, and both parts are reported.
+Settings 20..27 are the held-out part (the bound was fixed before they were run) and 28..35
+the fresh part, a second design run only after the probe estimator was fixed; every part is
+reported.
 
 Measured per setting (exact population dynamics for every T0 in 0..T):
 - validity: E(T0) >= R(T0) at every T0;
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from linattn_theory.advice import PROBE_DEFAULTS
 from linattn_theory.dynamics import initial_point
 from linattn_theory.errors import ParameterError
 from linattn_theory.problem import make_problem
@@ -42,7 +44,8 @@ LEVELS = {
     "total_rounds": (80, 150, 300),
 }
 NOISE, RIDGE = 0.2, 0.02
-PROBE = {"batch_size": 64, "samples_per_client": 2048, "probe_rounds": 10, "patience": 4}
+FRESH = 8
+PARTS = ("development", "held_out", "fresh")
 
 
 @dataclass(frozen=True)
@@ -66,8 +69,15 @@ class WarmupSetting:
                 f"K={self.local_steps},lr={self.lr:g},T={self.total_rounds}")
 
     @property
+    def part(self) -> str:
+        """``development`` (0..19), ``held_out`` (20..27) or ``fresh`` (28..35)."""
+        if self.index >= SETTINGS:
+            return "fresh"
+        return "held_out" if self.index >= SETTINGS - HELD_OUT else "development"
+
+    @property
     def held_out(self) -> bool:
-        return self.index >= SETTINGS - HELD_OUT
+        return self.part != "development"
 
     def problem(self):
         return make_problem(dim=self.dim, num_clients=self.num_clients,
@@ -78,16 +88,22 @@ class WarmupSetting:
                             seed=100 + self.index)
 
 
-def warmup_settings(count: int = SETTINGS) -> list[WarmupSetting]:
-    """The design: each factor's levels repeated to ``count`` entries and shuffled by a
-    generator seeded with the factor's position (balanced levels, fixed design)."""
+def _design(count: int, offset: int, first: int) -> list[WarmupSetting]:
     columns = {}
     for f, (name, levels) in enumerate(LEVELS.items()):
         column = np.resize(np.arange(len(levels)), count)
-        np.random.default_rng(f).shuffle(column)
+        np.random.default_rng(offset + f).shuffle(column)
         columns[name] = [levels[j] for j in column]
-    return [WarmupSetting(index=i, **{k: v[i] for k, v in columns.items()})
+    return [WarmupSetting(index=first + i, **{k: v[i] for k, v in columns.items()})
             for i in range(count)]
+
+
+def warmup_settings(count: int = SETTINGS + FRESH) -> list[WarmupSetting]:
+    """The design: each factor's levels repeated to 28 entries and shuffled by a generator
+    seeded with the factor's position (balanced levels, fixed design); the fresh part is a
+    second such design of 8 (generators seeded 100 + position). The first ``count``."""
+    settings = _design(SETTINGS, 0, 0) + _design(FRESH, 100, SETTINGS)
+    return settings[:count]
 
 
 def _factor(a: int, b: int) -> float:
@@ -104,7 +120,7 @@ def evaluate_setting(st: WarmupSetting, probe: bool = True, seed: int = 0) -> di
     r = path.final_error
     best, bound_t0 = path.best_warmup, path.bound_warmup
     norm_t0 = int(np.argmin(path.norm_bound))
-    row = {"setting": st.label, "held_out": st.held_out, "exact_T0": best,
+    row = {"setting": st.label, "part": st.part, "held_out": st.held_out, "exact_T0": best,
            "R_min": float(r[best]), "R_never": float(r[-1]), "R_zero": float(r[0]),
            "bound_T0": bound_t0, "valid": bool(np.all(path.bound >= r)),
            "violations": int(np.sum(path.bound < r)),
@@ -114,8 +130,15 @@ def evaluate_setting(st: WarmupSetting, probe: bool = True, seed: int = 0) -> di
            "norm_bound_tightness": float(path.norm_bound[best] / r[best]),
            "norm_bound_T0": norm_t0, "norm_within_factor_2": _factor(norm_t0, best) <= 2}
     if probe:
-        run = probe_run(problem, start, st.lr, st.local_steps, st.total_rounds, seed=seed,
-                        **PROBE)
+        try:
+            run = probe_run(problem, start, st.lr, st.local_steps, st.total_rounds, seed=seed,
+                            **PROBE_DEFAULTS)
+        except ParameterError as exc:   # the finite-sample run diverged: a miss, not a skip
+            row.update({"probe_T0": None, "probe_excess": float("inf"),
+                        "probe_vs_never": float("inf"), "probe_within_10pct": False,
+                        "probe_not_worse_5pct": False, "probe_compute": float("nan"),
+                        "probe_error": str(exc)})
+            return row
         t0 = run.choice.warmup_rounds
         row.update({"probe_T0": t0, "probe_excess": float(r[t0] / r[best] - 1),
                     "probe_vs_never": float(r[t0] / r[-1]),
@@ -145,28 +168,31 @@ def _summary(rows: list[dict]) -> dict:
                         [r["probe_not_worse_5pct"] for r in rows])),
                     "probe_median_excess": float(np.median([r["probe_excess"] for r in rows])),
                     "probe_max_vs_never": float(np.max([r["probe_vs_never"] for r in rows])),
-                    "probe_median_compute": float(np.median(
-                        [r["probe_compute"] for r in rows]))})
+                    "probe_median_compute": float(np.nanmedian(
+                        [r["probe_compute"] for r in rows])),
+                    "probe_diverged": int(sum("probe_error" in r for r in rows))})
     return out
 
 
-def run_warmup_grid(count: int = SETTINGS, probe: bool = True, part: str = "all") -> dict:
-    """Evaluate the grid; ``part`` is ``development``, ``held_out`` or ``all``.
+def run_warmup_grid(count: int = SETTINGS + FRESH, probe: bool = True,
+                    part: str = "all") -> dict:
+    """Evaluate the first ``count`` settings of the grid; ``part`` is one of :data:`PARTS` or
+    ``all``.
 
-    Returns ``points`` (one row per setting; an unstable setting has ``error``) and
-    ``summary`` per part.
+    Returns ``points`` (one row per setting; a setting whose exact dynamics diverge has
+    ``error`` and is left out of the summaries) and ``summary`` per part and for all.
     """
     rows = []
     for st in warmup_settings(count):
-        if (part == "development" and st.held_out) or (part == "held_out" and not st.held_out):
+        if part != "all" and st.part != part:
             continue
         try:
             rows.append(evaluate_setting(st, probe))
         except ParameterError as exc:
-            rows.append({"setting": st.label, "held_out": st.held_out, "error": str(exc)})
+            rows.append({"setting": st.label, "part": st.part, "held_out": st.held_out,
+                         "error": str(exc)})
     ok = [r for r in rows if "error" not in r]
-    return {"points": rows,
-            "summary": {"all": _summary(ok),
-                        "development": _summary([r for r in ok if not r["held_out"]]),
-                        "held_out": _summary([r for r in ok if r["held_out"]])},
+    summary = {"all": _summary(ok)}
+    summary.update({name: _summary([r for r in ok if r["part"] == name]) for name in PARTS})
+    return {"points": rows, "summary": summary,
             "unstable": [r["setting"] for r in rows if "error" in r]}
