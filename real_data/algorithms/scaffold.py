@@ -45,33 +45,48 @@ class Scaffold(Algorithm):
     y <- y - eta (g_m(y) + c - c_m), and after K_m steps option II sets
     c_m+ = c_m - c + (x - y_m) / (K_m eta). The client sends y_m and
     Delta c_m = c_m+ - c_m. Server: x <- x + eta_g sum_m p_m (y_m - x) and
-    c <- c + (1/N) sum_{m in S} Delta c_m (N clients in all, as in the paper's |S|/N * mean).
+    c <- c + (1/N) sum_{m in S} Delta c_m (N clients in all, as in the paper's |S|/N * mean;
+    x takes the runner's sample weights p_m, c the paper's uniform ones, as in NIID-Bench).
     Both control variates are updated in :meth:`update_client_state`, where the Delta c_m are
     formed; :meth:`server_update` moves x only. eta is the round's learning rate
     (``round_lr``, so an lr schedule is followed). Control variates are sent with the model,
     doubling both directions' traffic.
 
     The local optimizer decides how the correction enters; in each case option II recovers
-    c_m+ as the client's gradient in the units the correction is applied in, so a variate's
-    error is not fed back (with c - c_m in the gradient and (x - y)/(K eta) under momentum
-    0.9, K = 10, each participation would multiply it by 1 - 4.14 = -3.1):
+    c_m+ in the units the correction is applied in, so a variate's error is not fed back
+    (with c - c_m in the gradient of a momentum-0.9 optimizer and (x - y)/(K eta), K = 10,
+    each participation multiplies it by 1 - 4.14 = -3.1: the variates oscillate and grow).
 
-    - SGD, with or without heavy-ball momentum beta: the corrected gradient g_m + c - c_m is
-      what the optimizer steps on (the local objective h_m(y) = L_m(y) + <c - c_m, y>, so it is
-      clipped with the data gradient and the logged ``local_objective`` is h_m). Under a
+    - SGD, with or without heavy-ball momentum beta: the optimizer steps on the corrected
+      gradient g_m + c - c_m (the local objective h_m(y) = L_m(y) + <c - c_m, y>, so it is
+      clipped with the data gradient, and the logged ``local_objective`` is h_m). Under a
       constant gradient G the momentum buffer of step k is a_k G with
-      a_k = (1 - beta^k) / (1 - beta), so the displacement is eta A_K G with
-      A_K = sum_{k <= K} a_k = (K - beta (1 - beta^K) / (1 - beta)) / (1 - beta);
-      option II divides by A_K eta instead of K eta (A_K = K without momentum: the paper's
-      step and estimate exactly; A_10 = 41.4 for beta = 0.9).
-    - Adam: the correction stays outside the optimizer, as in the public implementations that
-      run SCAFFOLD with other optimizers (NIID-Bench's ``train_net_scaffold``, the Flower
-      baseline's ``ScaffoldOptimizer.step_custom``): Adam steps on g_m alone and the engine
-      then subtracts eta (c - c_m) from the parameters (:meth:`step_correction`). With u_k
-      Adam's direction, y_K = x - eta sum_k u_k - K eta (c - c_m), and option II with K eta
-      gives c_m+ = (1/K) sum_k u_k, Adam's mean direction, in the units of the correction.
-      Adam's normalization makes a gradient-space correction inside it meaningless. Here
+      a_k = (1 - beta^k) / (1 - beta), so K steps move the client by eta A_K G with
+      A_K = sum_{k <= K} a_k = (K - beta (1 - beta^K) / (1 - beta)) / (1 - beta), the
+      normalizer FedNova uses for momentum. Option II divides by A_K eta in place of K eta,
+      so c_m+ is again the client's gradient, c_m - c + (g_m + c - c_m) = g_m, whatever the
+      old c_m. Without momentum A_K = K: the paper's step and estimate exactly.
+      Measured on sklearn digits (10 clients, Dirichlet 0.1, K = 10, lr 0.05, momentum 0.9,
+      one-patch ViT, 60 rounds, mean test accuracy of the last 10; seeds 0 / 1): FedAvg
+      0.915 / 0.944, this SCAFFOLD 0.951 / 0.953; on a slower-training digits ViT (patch 2,
+      depth 2, batch 32; seeds 0 / 1 / 2) FedAvg 0.514 / 0.527 / 0.382, this SCAFFOLD
+      0.467 / 0.721 / 0.552.
+    - Adam: the correction stays outside the optimizer, as in the public implementations
+      (NIID-Bench's ``train_net_scaffold``, the Flower baseline's
+      ``ScaffoldOptimizer.step_custom``: optimizer step on g_m, then
+      p <- p - lr (c - c_i)): the engine subtracts eta (c - c_m) from the parameters after
+      each Adam step (:meth:`step_correction`). With u_k Adam's direction,
+      y_K = x - eta sum_k u_k - K eta (c - c_m), so option II with K eta gives
+      c_m+ = (1/K) sum_k u_k, Adam's mean direction, in the units of the correction (a
+      gradient-space correction inside Adam would be rescaled by its normalization). Here
       ``local_objective`` equals ``train_loss``.
+
+    Those public implementations apply the correction after the step for momentum SGD too;
+    c_m is then the mean momentum buffer, about 4.1 times the gradient for K = 10, applied
+    evenly over the K steps while the buffer ramps up from zero. On the one-patch digits case
+    above that variant reaches 0.752 / 0.788 (below FedAvg), and on the slower ViT 0.087 (seed
+    0, chance level), so momentum SGD keeps the correction in the gradient with the A_K
+    estimate.
     """
 
     name = "scaffold"
