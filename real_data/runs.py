@@ -90,7 +90,7 @@ def shifted(cfg: Config, dataset, partition) -> tuple:
            hash(np.concatenate([*partition.train, *partition.val]).tobytes()),
            hash(np.concatenate(partition.test).tobytes()))
     if key not in _SHIFTED or _SHIFTED[key][0] is not dataset:
-        while len(_SHIFTED) >= 2:
+        while len(_SHIFTED) >= 8:
             _SHIFTED.pop(next(iter(_SHIFTED)))
         _SHIFTED[key] = (dataset, apply_shift(dataset, partition, cfg.partition.shift))
     return _SHIFTED[key][1]
