@@ -95,12 +95,14 @@ def _max_error(a: dict, b: dict) -> float:
 SGD = ["train.optimizer=sgd", "train.lr=0.3"]
 PARTIAL = ["train.clients_per_round=3", "algorithm.server_lr=0.5",
            "train.lr_schedule={kind: step, milestones: [0.5], factor: 0.5}"]
+EPOCHS = ["train.local_steps=null", "train.local_epochs=0.1"]
 CASES = [  # (engine, name, overrides)
     *[(e, "full", SGD) for e in ("sequential", "vectorized")],
     *[(e, "partial+schedule+eta_g", SGD + PARTIAL) for e in ENGINES],
     # K_m = ceil(0.1 n_m / B) differs per client: the idle steps of the stacked paths
-    *[(e, "epochs", SGD + ["train.local_steps=null", "train.local_epochs=0.1"])
-      for e in ("vectorized", "vmap")],
+    *[(e, "epochs+momentum", EPOCHS + ["train.optimizer=sgd", "train.lr=0.05",
+                                       "train.momentum=0.9"]) for e in ("vectorized", "vmap")],
+    ("vectorized", "epochs+adam", EPOCHS + ["train.optimizer=adam", "train.lr=0.01"]),
     *[(e, "momentum", ["train.optimizer=sgd", "train.lr=0.05", "train.momentum=0.9",
                        *PARTIAL]) for e in ENGINES],
     *[(e, "adam", ["train.optimizer=adam", "train.lr=0.01", *PARTIAL]) for e in ENGINES],
