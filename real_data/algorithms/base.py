@@ -200,6 +200,14 @@ class Algorithm:
         """
         return 0.0
 
+    def step_correction(self, trainable: tuple[str, ...], client_state: dict,
+                        server_state: Any) -> dict[str, torch.Tensor] | None:
+        """A per-client correction ``(C, ...)`` per trainable parameter that every engine
+        subtracts, times the step's learning rate, after each optimizer step, outside the
+        optimizer's state (:func:`real_data.engines.base.step_correction`); ``None``: none.
+        SCAFFOLD under Adam uses it for its drift correction c - c_m."""
+        return None
+
     def update_client_state(
         self,
         rnd: int,

@@ -308,4 +308,4 @@ def test_native_config_loads():
     assert cfg.algorithm.name == "fedtp" and cfg.train.clients_per_round == 5  # 10% of 50
     assert (cfg.train.optimizer, cfg.train.lr, cfg.train.momentum) == ("sgd", 0.01, 0.9)
     p = cfg.algorithm.params
-    assert (p.embedding_dim, p.hidden_dim, p.n_hidden, p.server_lr) == (128, 150, 3, 0.01)
+    assert (p.embedding_dim, p.hidden_dim, p.n_hidden, p.server_lr) == (128, 150, 3, None)
