@@ -155,9 +155,10 @@ def _partition(args) -> int:
     if shift is not None:
         from real_data.data.shift import apply_shift
 
-        dataset, shifted = apply_shift(dataset, partition, shift)
+        dataset, _ = apply_shift(dataset, partition, shift)
         # the file keeps the unshifted partition; the shift is a parameter it is rebuilt from
-        partition = dataclasses.replace(partition, params=shifted.params)
+        partition = dataclasses.replace(partition,
+                                        params={**partition.params, "shift": shift.as_dict()})
     path = save_partition(partition, args.out)
     sizes = partition.sizes
     print(f"{path}: {partition.num_clients} clients, train sizes {sizes.min()}..{sizes.max()} "

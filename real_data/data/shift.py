@@ -153,6 +153,9 @@ def apply_shift(dataset: TensorDataset, partition: Partition, shift: Shift | dic
         shift = shift_from_dict(shift)
     if shift is None:
         return dataset, partition
+    if partition.params.get("shifted_test"):
+        raise DataError("the partition is already shifted (its test indices point into a "
+                        "shifted test set); shift the unshifted partition it came from")
     if dataset.task != "image" or dataset.y_train.ndim != 1:
         raise DataError(f"partition.shift needs an image data set with class labels; "
                         f"{dataset.name} is a {dataset.task} data set")
@@ -193,6 +196,6 @@ def apply_shift(dataset: TensorDataset, partition: Partition, shift: Shift | dic
     shifted_data = TensorDataset(dataset.name, dataset.task, x_train, y_train,
                                  torch.cat(xs), torch.cat(ys), dataset.num_classes)
     shifted_part = Partition(partition.train, tuple(tests), partition.scheme,
-                             {**partition.params, "shift": shift.as_dict()}, partition.seed,
-                             partition.val)
+                             {**partition.params, "shift": shift.as_dict(),
+                              "shifted_test": True}, partition.seed, partition.val)
     return shifted_data, shifted_part

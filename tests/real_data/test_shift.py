@@ -147,3 +147,45 @@ def test_run_scores_the_federated_objective_and_resumes(tmp_path):
         (full.run_dir / "metrics.csv").read_bytes()
     with pytest.raises(ConfigError, match="partition.shift.kind"):
         tiny_config("partition.shift={kind: label}")
+
+
+def test_stacked_t0_branch_under_shift_equals_runs_alone(tmp_path):
+    """A T0 branch forks from the parent's unshifted partition; its rows equal the same branch
+    trained alone, and the already-shifted partition is refused by apply_shift."""
+    from real_data.runs import load_data, start_run
+    from real_data.stacked_runs import Branch, RunRequest, run_group
+
+    over = ("algorithm.name=fedfrozen", "algorithm.train=v", "partition.num_clients=4",
+            "partition.scheme=iid", "train.precision=fp64", "train.rounds=3",
+            "partition.shift={kind: covariate, transform: rotation, spread: 60}")
+    parent, child = tiny_config(*over, "algorithm.warmup_rounds=3"), \
+        tiny_config(*over, "algorithm.warmup_rounds=1")
+    alone = start_run(parent, out=tmp_path / "alone_parent", snapshot_rounds=(1,))
+    start_run(child, out=tmp_path / "alone_child",
+              branch=alone.run_dir / "checkpoints" / "round_1.pt")
+    dataset = load_data(parent)
+    results = run_group([RunRequest(tmp_path / "g_parent", parent, False, (1,),
+                                    (Branch(1, child, tmp_path / "g_child"),))],
+                        dataset=dataset, log=lambda s: None)
+    assert sorted(r.status for _, r in results) == ["completed", "completed"]
+    for a, g in (("alone_parent", "g_parent"), ("alone_child", "g_child")):
+        ra, rg = _rows(tmp_path / a / "metrics.csv"), _rows(tmp_path / g / "metrics.csv")
+        assert ra.keys() == rg.keys()
+        assert all(abs(ra[k] - rg[k]) <= 1e-6 * abs(ra[k]) + 1e-9 for k in ra), g
+    from real_data.runs import shifted
+
+    data2, part2 = shifted(parent, dataset, load_partition_of(tmp_path / "g_child"))
+    with pytest.raises(DataError, match="already shifted"):
+        apply_shift(data2, part2, parent.partition.shift)
+
+
+def load_partition_of(run_dir):
+    from real_data.data import load_partition
+
+    return load_partition(run_dir / "partition.npz")
+
+
+def _rows(path):
+    with open(path) as fh:
+        return {(r["round"], r["client"], r["metric"]): float(r["value"])
+                for r in csv.DictReader(fh)}
