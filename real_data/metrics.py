@@ -119,7 +119,8 @@ def update_dispersion(
         mean = (p.unsqueeze(1) * d).sum(0)
         sq += (d - mean).pow(2).sum(1)
         mean_sq += mean.pow(2).sum()
-    return float(torch.sqrt((p * sq).sum())), float(torch.sqrt(mean_sq))
+    both = torch.stack([(p * sq).sum(), mean_sq]).sqrt().tolist()  # one sync
+    return float(both[0]), float(both[1])
 
 
 def relative_change(
