@@ -66,8 +66,10 @@ def theory_point(grid, problem, zeta: float, k: int, lr: float, star: float) -> 
     try:
         path = warmup_path(problem, st.start(), lr, k, grid.total_rounds, star)
     except ParameterError as exc:
-        return {"population": None, "closed_form": None, "error": str(exc)}
-    return {"population": path.best_warmup, "closed_form": path.bound_warmup}
+        return {"population": None, "closed_form": None, "bound_argmin": None,
+                "error": str(exc)}
+    return {"population": path.best_warmup, "closed_form": path.bound_warmup,
+            "bound_argmin": path.bound_warmup}
 
 
 def theory_curves(grid, cache_dir=None) -> tuple[dict, bool]:

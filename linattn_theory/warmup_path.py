@@ -22,7 +22,10 @@ The path-local bound E(T0) >= R(T0) (eq. 35) adds three terms, each a proven ine
         kappa_s = ||H^{1/2} Abar^s H^{-1/2}||_2, s = T - T0 (eq. 27a with exact kappa_s; eq. 34)
 
 with x_t = (M_t, V_t) FedAvg's global point, x_bar_t the reference's and Ref one reference
-round (K centralized GD steps on F). Its argmin over 0..T is the bound's T0*.
+round (K centralized GD steps on F). Its argmin over 0..T is the bound's T0*. ``bound_value``
+carries a floating-point allowance of ROUNDOFF (|Phi(M_bar_T0)| + |Phi(M_T0)| + 1), about
+1e-12, so that the computed bound stays above the computed R where the inequality is an
+equality (T0 = T without covariate shift).
 """
 
 from __future__ import annotations
@@ -37,7 +40,10 @@ from linattn_theory.frozen import frozen_stages
 from linattn_theory.objectives import pooled_kernel_gradient, pooled_terms
 from linattn_theory.problem import Problem
 
-__all__ = ["WarmupPath", "warmup_path", "kernel_curvature_bound", "frozen_transient_norms"]
+__all__ = ["WarmupPath", "warmup_path", "kernel_curvature_bound", "frozen_transient_norms",
+           "ROUNDOFF"]
+
+ROUNDOFF = 1e-12
 
 
 @dataclass(frozen=True)
@@ -228,6 +234,10 @@ def warmup_path(problem: Problem, start: InitialPoint, lr: float, local_steps: i
     start_err = 0.5 * np.sum(start_gap * (hess @ start_gap), axis=(1, 2))
     bound_value = (np.sqrt(stage.floor) + kappa * np.sqrt(start_err))**2
     bound_bias = ref_phi - phi_star
+    # floating-point allowance: where the bound is an equality (T0 = T without covariate
+    # shift: s = 0 and D_frozen = 0) rounding may leave it a few ulps below R
+    slack = ROUNDOFF * (np.abs(ref_phi) + np.abs(phi) + 1.0)
+    bound_value = bound_value + slack
     dev_exact = np.sqrt(np.sum((kernels - ref_kernels)**2, axis=(1, 2)))
     pad = np.append
     return WarmupPath(

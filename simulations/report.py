@@ -1,5 +1,5 @@
 """Write a validation result: ``validation.json`` (every number), ``validation.md`` (the P1-P6
-table) and figures (matplotlib, imported only here)."""
+and W1-W2 tables) and figures (matplotlib, imported only here)."""
 
 from __future__ import annotations
 
@@ -41,9 +41,9 @@ def format_value(value) -> str:
 
 
 def markdown_table(result: dict) -> str:
-    """The P1-P6 table: prediction, criterion, measured value, PASS/FAIL."""
+    """The P1-P6 and W1-W2 table: prediction, criterion, measured value, PASS/FAIL."""
     lines = ["| check | criterion | measured | result |", "|---|---|---|---|"]
-    for name, check in result["checks"].items():
+    for name, check in {**result["checks"], **result.get("warmup_checks", {})}.items():
         measured = "; ".join(f"{k} = {format_value(v)}" for k, v in check["measured"].items())
         verdict = {True: "PASS", False: "FAIL", None: "report"}[check["pass"]]
         lines.append(f"| {name} | {check['criterion']} | {measured} | {verdict} |")
@@ -105,7 +105,7 @@ def write_validation(result: dict, out_dir) -> Path:
              points_table(checks["P6"], ["T0_population_merged", "T0_population_factored",
                                          "T0_empirical_merged", "T0_empirical_factored",
                                          "max_abs_R_difference"]), "",
-             *_warmup_sections(checks),
+             *_warmup_sections(result.get("warmup_checks", {})),
              f"Timing: {format_value(result['timing'])}", ""]
     atomic_write_text(out / "validation.md", "\n".join(parts))
     _figures(result, out)

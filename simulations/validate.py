@@ -264,9 +264,9 @@ def _check_p5(records) -> dict:
 def check_warmup_grid(quick: bool = False) -> tuple[dict, dict]:
     """W1 (bound) and W2 (probe estimator) on :mod:`simulations.warmup_grid`'s settings.
 
-    ``quick`` evaluates the first 4 settings only (the criteria are the same).
+    ``quick`` evaluates its 4 cheapest settings only (the criteria are the same).
     """
-    grid = run_warmup_grid(count=4) if quick else run_warmup_grid()
+    grid = run_warmup_grid(quick=quick)
     total = grid["summary"]["all"]
     parts = {k: v for k, v in grid["summary"].items() if k != "all" and v}
     w1 = {"criterion": ("warm-up grid (differs from this grid in every factor): bound E(T0) >= "
@@ -316,9 +316,10 @@ def _check_p6(grid, problems, records) -> dict:
 
 def run_validation(grid: Grid | None = None, out_dir=None, quick: bool = False) -> dict:
     """Run P1-P6 on ``grid`` (default :class:`Grid`, or ``Grid.quick()`` when ``quick``) and
-    W1-W2 on the warm-up grid (its first 4 settings when ``quick``).
+    W1-W2 on the warm-up grid (its 4 cheapest settings when ``quick``).
 
-    Returns a dict: ``grid``, ``checks`` (P1..P6, W1, W2: criterion, measured, pass, points),
+    Returns a dict: ``grid``, ``checks`` (P1..P6: criterion, measured, pass, points),
+    ``warmup_checks`` (W1, W2, the same fields),
     ``settings`` (per setting curves) and ``timing``. With ``out_dir`` it also writes
     ``validation.json``, ``validation.md`` and figures there (``simulations.report``).
     """
@@ -345,8 +346,8 @@ def run_validation(grid: Grid | None = None, out_dir=None, quick: bool = False) 
     checks["P4"] = check_p4(grid, problems)
     checks["P5"] = _check_p5(records)
     checks["P6"] = _check_p6(grid, problems, records)
-    checks["W1"], checks["W2"] = check_warmup_grid(quick)
-    out = {"grid": asdict(grid), "checks": checks,
+    warmup_checks = dict(zip(("W1", "W2"), check_warmup_grid(quick)))
+    out = {"grid": asdict(grid), "checks": checks, "warmup_checks": warmup_checks,
            "settings": {k: _setting_summary(v) for k, v in records.items()},
            "timing": {"grid_simulation_s": sim_time,
                       "total_s": time.perf_counter() - clock}}

@@ -175,15 +175,18 @@ def _summary(rows: list[dict]) -> dict:
 
 
 def run_warmup_grid(count: int = SETTINGS + FRESH, probe: bool = True,
-                    part: str = "all") -> dict:
+                    part: str = "all", quick: bool = False) -> dict:
     """Evaluate the first ``count`` settings of the grid; ``part`` is one of :data:`PARTS` or
-    ``all``.
+    ``all``; ``quick`` keeps the 4 cheapest of them (smallest T, then d C; for tests).
 
     Returns ``points`` (one row per setting; a setting whose exact dynamics diverge has
     ``error`` and is left out of the summaries) and ``summary`` per part and for all.
     """
     rows = []
-    for st in warmup_settings(count):
+    settings = warmup_settings(count)
+    if quick:
+        settings = sorted(settings, key=lambda x: (x.total_rounds, x.dim * x.num_clients))[:4]
+    for st in settings:
         if part != "all" and st.part != part:
             continue
         try:
