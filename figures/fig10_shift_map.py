@@ -24,7 +24,7 @@ from figures.style import new_figure, save, series_style
 NAME = "fig10_shift_map"
 
 
-def _heatmap(ax, cells, key, title):
+def _heatmap(ax, cells, key, title, row_labels=True):
     shifts = sorted({c["covariate_shift"] for c in cells})
     teachers = sorted({(c["kernel_heterogeneity"], c["value_heterogeneity"]) for c in cells},
                       key=lambda t: (t[0] != t[1], t))
@@ -38,7 +38,8 @@ def _heatmap(ax, cells, key, title):
             ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=7,
                     color="white" if grid[i, j] < 0.6 else "black")
     ax.set_xticks(range(len(shifts)), [f"{s:g}" for s in shifts])
-    ax.set_yticks(range(len(teachers)), [f"zK={k:g}, zV={v:g}" for k, v in teachers],
+    ax.set_yticks(range(len(teachers)),
+                  [f"zK={k:g}, zV={v:g}" if row_labels else "" for k, v in teachers],
                   fontsize=7)
     ax.set_xlabel(r"covariate shift $\rho$")
     ax.set_title(title, fontsize=8)
@@ -50,10 +51,10 @@ def make(result, grid, out_dir=None, cache_dir=None) -> FigureOutput:
     data, hit = study_data(grid, cache_dir)
     shift = data["summary"]["map"]
     rows = [r for r in data["rows"] if r["part"] == "map" and "error" not in r]
-    fig, axes = new_figure(ncols=3, width=3.6, height=3.4)
+    fig, axes = new_figure(ncols=3, width=3.6, height=3.4, constrained=True)
     _heatmap(axes[0], shift["cells"], "both_over_decay", "R(best decay + FF) / R(best decay)")
     image = _heatmap(axes[1], shift["cells"], "cut_frozen_over_cut",
-                     "R(cut + FF) / R(cut)")
+                     "R(cut + FF) / R(cut)", row_labels=False)
     fig.colorbar(image, ax=axes[:2].tolist(), shrink=0.8)
     ax = axes[2]
     base = {(r["seed"], r["kernel_heterogeneity"], r["value_heterogeneity"], r["lr"]): r
