@@ -169,7 +169,9 @@ def compare(runs: list[dict], against: str = "fedavg", metric: str = "score",
     both finished: the mean difference of ``metric``, its t interval at ``level``, and the
     two one-sided tests (TOST) of equivalence within +-``margin`` (accuracy 0.01 = 1 point).
 
-    ``verdict``: ``win`` or ``loss`` when the interval excludes 0; otherwise ``tie`` when TOST
+    ``verdict``: ``identical`` when every paired difference is exactly 0 (the same runs, such
+    as FedFrozen whose chosen T0 is the horizon); ``win`` or ``loss`` when the interval excludes
+    0; otherwise ``tie`` when TOST
     rejects a difference of ``margin`` or more at 1 - ``level`` (the (2 level - 1) interval lies
     inside +-margin); otherwise ``inconclusive`` (too few seeds or too much noise to say).
     """
@@ -191,7 +193,9 @@ def compare(runs: list[dict], against: str = "fedavg", metric: str = "score",
             else:
                 rec["tost_p"] = 0.0 if abs(d) < margin else 1.0
             rec["equivalent"] = rec["tost_p"] < 1 - level
-            if rec["ci_low"] > 0:
+            if d == 0 and se == 0:  # the same runs (e.g. a chosen T0 equal to the horizon)
+                rec["verdict"] = "identical"
+            elif rec["ci_low"] > 0:
                 rec["verdict"] = "win"
             elif rec["ci_high"] < 0:
                 rec["verdict"] = "loss"

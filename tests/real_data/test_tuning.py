@@ -95,7 +95,7 @@ def test_tune_then_final_then_compare(tmp_path):
         assert _global(spec.run_dir, "test_acc")
     table = list(csv.DictReader(open(out / "tables" / "comparison.csv")))
     assert [r["arm"] for r in table] == ["frozen"] and table[0]["n"] == "3"
-    assert table[0]["verdict"] in ("win", "loss", "tie", "inconclusive")
+    assert table[0]["verdict"] in ("win", "loss", "tie", "inconclusive", "identical")
     assert "| digits | 0.5 | frozen |" in (out / "tables" / "comparison.md").read_text()
 
 
@@ -128,6 +128,8 @@ def test_compare_intervals_tost_and_verdicts():
     assert noisy["verdict"] == "inconclusive" and noisy["tost_p"] > 0.05
     (loss,) = study.compare(_rows([-0.05, -0.06, -0.045]))
     assert loss["verdict"] == "loss"
+    (same,) = study.compare(_rows([0.0, 0.0, 0.0]))
+    assert same["verdict"] == "identical"
     (one,) = study.compare(_rows([0.01]))
     assert one["verdict"] == "inconclusive" and one["ci_low"] is None
 
