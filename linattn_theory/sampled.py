@@ -216,8 +216,9 @@ def probe_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int
                 kernel, value = _warmup_round(problem, data, kernel, value, lr, draws())
         except FloatingPointError:
             raise ParameterError(
-                f"lr={lr:g} with local_steps={local_steps}: the finite-sample run diverged "
-                f"in round {t}; lower lr") from None
+                f"lr={lr:g} with local_steps={local_steps}: the probe's finite-sample run "
+                f"(minibatch SGD, B={bsz}) diverged in round {t}; lower lr, or skip the probe "
+                "(probe=False; linattn warmup --no-probe)") from None
     choice = selector.choose(stopped, continuing)
     frozen = 0
     if choice.warmup_rounds < t_total:
