@@ -98,7 +98,7 @@ def test_real_data_figure_reads_the_study(quick_run):
 @pytest.mark.parametrize("argv, message", [
     (["reproduce", "--real-data", "/no/such/folder"], "--real-data"),
     (["figure", "7"], "--real-data"),
-    (["figure", "9"], "invalid choice"),
+    (["figure", "11"], "invalid choice"),
     (["reproduce", "--threads", "0", "--quick"], "--threads"),
 ])
 def test_bad_input_exits_2(tmp_path, capsys, argv, message):
