@@ -11,7 +11,8 @@ K, eta, T, zeta_K, zeta_V, covariate shift rho; 4 problem seeds per cell), per p
   held-out (T0 and schedule chosen on two problem seeds of the cell, reported on the
   other two).
 
-``--quick`` runs the study's tiny grids. The study is cached (shared with figure 10).
+``--quick`` runs the study's tiny grids; the full grids take about 13 minutes in two processes
+on a shared 2-core CPU. The study is cached (shared with figure 10).
 
     python -m figures.fig9_schedules [--quick] [--out DIR]
 """
@@ -38,7 +39,7 @@ def study_data(grid, cache_dir=None) -> tuple[dict, bool]:
         from simulations.schedule_study import run_tables
 
         seeds = list(range(2 if quick else 4))
-        rows = run_tables(seeds, quick)
+        rows = run_tables(seeds, quick, workers=1 if quick else 2)
         return jsonable({"summary": summarize(rows, seeds),
                          "rows": [{k: v for k, v in r.items() if k != "table"}
                                   for r in rows]})
