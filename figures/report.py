@@ -27,13 +27,13 @@ PREDICTIONS = {
           "a flat curve)",
     "P4": "the frozen stage's measured floor equals D_frozen(M) (+ the minibatch noise term) "
           "within Monte Carlo error",
-    "P5": "the stylized bound is never below the measured error (validity 100%); report the "
-          "tightness bound / measured",
+    "P5": "the path-local bound (eq. 35) is never below the exact R(T0) of the population "
+          "dynamics (validity 100%); report the tightness bound / R and where its T0* lies",
     "P6": "factored vs merged parametrization: report how far T0* and the curves move",
 }
 TITLES = {1: "Bias and drift versus T0 (P1)", 2: "Final error versus T0 (P2)",
           3: "Optimal warm-up versus zeta, K, eta (P3)", 4: "Frozen-stage floor versus K (P4)",
-          5: "Stylized bound versus measured error (P5)",
+          5: "Path-local bound versus exact and measured error (P5)",
           6: "Gradient-norm jumps after aggregation", 7: "Real data",
           8: "Partitions: label mix per client",
           9: "Step-size decay and freezing (exact dynamics)",
