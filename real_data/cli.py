@@ -236,7 +236,7 @@ def _study(argv: list[str]) -> int:
             plan = study.tuning_plan(full)
         elif stage == "final":
             try:
-                plan = study.final_plan(full)
+                plan = study.final_plan(full, write=not args.list)
             except UserError as exc:  # tuning unfinished: nothing to choose from yet
                 if args.stage == "final":
                     raise

@@ -181,7 +181,7 @@ class EvalConfig:
     """Evaluation schedule; ``clients`` adds per-client local-test metrics; ``test: false``
     evaluates the validation split only (tuning runs never read the test set);
     ``finetune: true`` adds, at the last round, every client's local test accuracy after it
-    fine-tunes the global model for one local round (``local_ft_acc_*``)."""
+    fine-tunes the global model for one local round at ``train.lr`` (``local_ft_acc_*``)."""
 
     every: int = 1
     batch_size: int = 1024

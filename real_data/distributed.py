@@ -223,6 +223,10 @@ def _check_device(cfg, trainer: ShardTrainer) -> None:
         allowed = "auto or cuda" if trainer.device.type == "cuda" else "auto or cpu"
         raise ConfigError(f"train.device={want} under --distributed: each process uses "
                           f"{trainer.device.type} (its LOCAL_RANK device); allowed: {allowed}")
+    if cfg.partition.shift is not None:
+        raise ConfigError("partition.shift is not supported under --distributed (the other "
+                          "ranks would train on the unshifted data); run it in one process or "
+                          "as a stacked sweep")
 
 
 def run_distributed(cfg=None, out: Path | None = None, resume: Path | None = None,

@@ -405,17 +405,18 @@ class Federation:
 
     def finetuned_accuracy(self, state: FedState, rnd: int) -> np.ndarray:
         """Every client's local test accuracy after fine-tuning the global model for one local
-        round: all parameters, the run's optimizer at round ``rnd``'s lr, its K steps (or E
-        epochs) on fresh minibatches of its own training samples, the plain objective (no
-        proximal term or control variate), whatever the algorithm. The same budget for every
-        algorithm, so "FedAvg + fine-tuning" and "FedFrozen + fine-tuning" meet a personalized
-        method such as FedTP on its own metric."""
+        round: all parameters, the run's optimizer at its base ``train.lr`` (not the schedule's
+        last, which is 0 at the end of a cosine), its K steps (or E epochs) on fresh minibatches
+        of its own training samples, the plain objective (no proximal term or control variate),
+        whatever the algorithm. The same budget for every algorithm and schedule, so "FedAvg +
+        fine-tuning" and "FedFrozen + fine-tuning" meet a personalized method such as FedTP on
+        its own metric."""
         from real_data.algorithms.fedavg import FedAvg, FedAvgParams
 
         plain = FedAvg(FedAvgParams(), self.algorithm.ctx)
         ids = np.arange(self.partition.num_clients)
         names = tuple(state.global_params)
-        lr = self.round_lr(state, min(rnd, self.cfg.train.rounds))
+        lr = self.cfg.train.lr
         job = LocalJob(
             model=self.model, algorithm=plain, global_params=state.global_params,
             trainable=names, batches=self.planner.plan(ids, rnd + 1), x=self.x_train,

@@ -35,11 +35,12 @@ _FEDERATIONS: dict[str, object] = {}  # config YAML -> Federation (this process'
 
 
 def simulation_data(cfg):
-    """The config's data set and its partition (as a native run builds them)."""
-    from real_data.runs import load_data, make_partition_for
+    """The config's data set and its partition as a native run trains on them (under
+    ``partition.shift`` the shifted data, rebuilt from the config as the server's run does)."""
+    from real_data.runs import load_data, make_partition_for, shifted
 
     dataset = load_data(cfg)
-    return dataset, make_partition_for(cfg, dataset)
+    return shifted(cfg, dataset, make_partition_for(cfg, dataset))
 
 
 def partition_id(context: Context) -> int:

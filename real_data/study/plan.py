@@ -237,6 +237,10 @@ def _plan(raw, path: Path, out_dir) -> Plan:
     given = out_dir if out_dir is not None else raw.get("out_dir", f"runs/study-{name}")
     _require(isinstance(given, str | Path) and str(given), "out_dir", "must be a folder path")
     tune = _tune(raw["tune"]) if "tune" in raw else None
+    if tune is not None:
+        for sw in sweeps:
+            _require(tune.seed not in sw.seeds, "tune.seed", f"{tune.seed} is one of sweep "
+                     f"{sw.name}'s final seeds; tune on a seed the final runs do not use")
     if tune is None:
         for sw in sweeps:
             _require(not sw.grid and not any(a.grid for a in sw.arms), f"sweep {sw.name}",

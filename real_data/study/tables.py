@@ -65,7 +65,8 @@ def kernel_deviation(snapshot_a: Path, snapshot_b: Path, heads: int) -> float:
 
 
 def _run_row(spec: RunSpec) -> dict | None:
-    if run_status(spec.run_dir) != "completed":
+    status = run_status(spec.run_dir)
+    if status not in ("completed", "diverged"):
         return None
     summary = json.loads((spec.run_dir / "summary.json").read_text())
     m = _read_metrics(spec.run_dir)
@@ -87,12 +88,17 @@ def _run_row(spec: RunSpec) -> dict | None:
         "train_flops": float(np.sum(m.get("train_flops", [np.nan]))),
         "seconds_per_round": float(summary.get("seconds_per_round", np.nan)),
         "device": summary.get("device", {}).get("name", ""),
+        "status": status,
     }
+    if status == "diverged":  # no score: counted apart (``compare``'s diverged columns)
+        for key in ("final_acc", "best_acc", "score", "val_score"):
+            row[key] = float("nan")
     return row
 
 
 def run_rows(plan: Plan) -> list[dict]:
-    """One row per completed run: its sweep, arm, T0, alpha and seed, every run metric, and the
+    """One row per completed or diverged run (``status``; a diverged run's accuracies are NaN):
+    its sweep, arm, T0, alpha and seed, every run metric, and the
     kernel deviation of its warm-up snapshot from the reference of the same seed (None where
     there is no T0 or no reference snapshot). Runs of one seed share the initialization and the
     partition, so per-seed differences (:func:`paired_differences`) are paired."""
@@ -166,22 +172,34 @@ def paired_differences(runs: list[dict], against: str = "fedavg",
 def compare(runs: list[dict], against: str = "fedavg", metric: str = "score",
             margin: float = 0.01, level: float = 0.95) -> list[dict]:
     """Paired comparison of every arm with ``against`` per (sweep, T0, alpha), over the seeds
-    both finished: the mean difference of ``metric``, its t interval at ``level``, and the
+    both completed: the mean difference of ``metric``, its t interval at ``level``, and the
     two one-sided tests (TOST) of equivalence within +-``margin`` (accuracy 0.01 = 1 point).
+    Diverged runs have no score and are left out of the pairs; ``diverged`` and
+    ``against_diverged`` count them, so a method that diverges on some seeds shows it.
 
     ``verdict``: ``identical`` when every paired difference is exactly 0 (the same runs, such
     as FedFrozen whose chosen T0 is the horizon); ``win`` or ``loss`` when the interval excludes
-    0; otherwise ``tie`` when TOST
+    0 (``win within margin`` when TOST also shows the difference below ``margin``); otherwise
+    ``tie`` when TOST
     rejects a difference of ``margin`` or more at 1 - ``level`` (the (2 level - 1) interval lies
     inside +-margin); otherwise ``inconclusive`` (too few seeds or too much noise to say).
     """
     from scipy import stats
 
+    diverged: dict[tuple, int] = {}
+    for r in runs:
+        if r.get("status") == "diverged":
+            key = (r["sweep"], r["arm"], r["warmup_rounds"], r["alpha"])
+            diverged[key] = diverged.get(key, 0) + 1
     out = []
     for cell in paired_differences(runs, against, metric):
         n = cell["n"]
         rec = {**cell, "ci_low": None, "ci_high": None, "tost_p": None, "equivalent": None,
-               "verdict": "inconclusive", "margin": margin, "level": level}
+               "verdict": "inconclusive", "margin": margin, "level": level,
+               "diverged": diverged.get((cell["sweep"], cell["arm"], cell["warmup_rounds"],
+                                         cell["alpha"]), 0),
+               "against_diverged": diverged.get((cell["sweep"], against, None, cell["alpha"]),
+                                                0)}
         if n >= 2 and cell["diff_se"] is not None:
             d, se = cell["diff_mean"], cell["diff_se"]
             t = stats.t.ppf(0.5 + level / 2, n - 1)
@@ -193,12 +211,13 @@ def compare(runs: list[dict], against: str = "fedavg", metric: str = "score",
             else:
                 rec["tost_p"] = 0.0 if abs(d) < margin else 1.0
             rec["equivalent"] = rec["tost_p"] < 1 - level
+            within = " within margin" if rec["equivalent"] else ""
             if d == 0 and se == 0:  # the same runs (e.g. a chosen T0 equal to the horizon)
                 rec["verdict"] = "identical"
             elif rec["ci_low"] > 0:
-                rec["verdict"] = "win"
+                rec["verdict"] = "win" + within
             elif rec["ci_high"] < 0:
-                rec["verdict"] = "loss"
+                rec["verdict"] = "loss" + within
             elif rec["equivalent"]:
                 rec["verdict"] = "tie"
         out.append(rec)
@@ -309,14 +328,16 @@ def write_comparison(runs: list[dict], out_dir: Path, against: str = "fedavg",
     lines = [f"Score: mean test accuracy of the last {SCORE_LAST} evaluations. Difference to "
              f"{against} in points, paired by seed, 95% t interval; tie = equivalent within "
              f"+-{100 * margin:g} point by two one-sided tests at 5%.", "",
-             "| sweep | alpha | arm | T0 | n | diff (pts) | 95% CI | TOST p | verdict |",
-             "|" + "---|" * 9]
+             "| sweep | alpha | arm | T0 | n | diff (pts) | 95% CI | TOST p | verdict | "
+             "diverged (arm / FedAvg) |",
+             "|" + "---|" * 10]
     for r in rows:
         ci = "" if r["ci_low"] is None else f"[{pts(r['ci_low'])}, {pts(r['ci_high'])}]"
         tost = "" if r["tost_p"] is None else f"{r['tost_p']:.3f}"
         lines.append(f"| {r['sweep']} | {r['alpha'] if r['alpha'] is not None else 'natural'} "
                      f"| {r['arm']} | {'' if r['warmup_rounds'] is None else r['warmup_rounds']}"
-                     f" | {r['n']} | {pts(r['diff_mean'])} | {ci} | {tost} | {r['verdict']} |")
+                     f" | {r['n']} | {pts(r['diff_mean'])} | {ci} | {tost} | {r['verdict']} | "
+                     f"{r['diverged']} / {r['against_diverged']} |")
     atomic_write_text(paths[1], "\n".join(lines) + "\n")
     return paths
 

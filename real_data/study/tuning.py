@@ -99,10 +99,18 @@ def tuning_plan(plan: Plan) -> Plan:
     return dataclasses.replace(plan, name=f"{plan.name}-tune", sweeps=tuple(sweeps), tune=None)
 
 
-def _score(run_dir: Path, metric: str, last: int) -> tuple[float | None, str]:
+def _score(run_dir: Path, metric: str, last: int, head: Path | None = None
+           ) -> tuple[float | None, str]:
     """(score, status): the mean of the last ``last`` values of ``metric``; ``None`` unless
-    the run is final."""
+    the run is final. ``head``: the T0 family's warm-up run this branch forks from; when it
+    diverged before the branch's T0 (no snapshot), the branch is the same diverged
+    trajectory and scores as diverged."""
     status = run_status(run_dir)
+    if status in ("missing", "partial") and head is not None and head != run_dir \
+            and run_status(head) == "diverged" and \
+            not (head / "checkpoints" / f"round_{_t0_of(run_dir)}.pt").is_file():
+        status = "diverged"
+        return (-np.inf if metric.endswith("acc") else np.inf), status
     if status not in ("completed", "diverged"):
         return None, status
     values = []
@@ -118,6 +126,11 @@ def _score(run_dir: Path, metric: str, last: int) -> tuple[float | None, str]:
     tail = [v for _, v in sorted(values)[-last:]]
     score = float(np.mean(tail))
     return (score if np.isfinite(score) else worst), status
+
+
+def _t0_of(run_dir: Path) -> int:
+    """T0 of a family member's directory ``.../<arm>-T0=<t>/<alpha>/<seed>``."""
+    return int(run_dir.parents[1].name.rsplit("-T0=", 1)[1])
 
 
 def choose(plan: Plan, write: bool = True) -> dict:
@@ -137,10 +150,15 @@ def choose(plan: Plan, write: bool = True) -> dict:
             for alpha in sw.alphas:
                 cands = []
                 for i, point in enumerate(points):
+                    head = None
+                    if arm.warmup_rounds:  # the family's warm-up run: the largest T0
+                        head = inside(plan.out_dir, run_key(sw.name, _tuned_arm(arm, i),
+                                                            max(arm.warmup_rounds), alpha,
+                                                            tune.seed))
                     for t0 in arm.warmup_rounds or (None,):
                         key = run_key(sw.name, _tuned_arm(arm, i), t0, alpha, tune.seed)
                         score, status = _score(inside(plan.out_dir, key), tune.metric,
-                                               tune.last)
+                                               tune.last, head)
                         if score is None:
                             missing.append(key)
                             continue
@@ -149,6 +167,9 @@ def choose(plan: Plan, write: bool = True) -> dict:
                 if not cands or len(cands) < len(points) * len(arm.warmup_rounds or (None,)):
                     continue
                 best = (max if higher else min)(cands, key=lambda c: c["score"])
+                if best["status"] == "diverged":
+                    raise ConfigError(f"every tuning run of {sw.name}/{arm.name} (alpha "
+                                      f"{alpha}) diverged; lower the grid's learning rates")
                 out["choices"].append({"sweep": sw.name, "arm": arm.name, "alpha": alpha,
                                        "chosen": best, "candidates": cands})
     if missing:
@@ -170,10 +191,10 @@ def _plain(value):
     return value
 
 
-def final_plan(plan: Plan, choices: dict | None = None) -> Plan:
+def final_plan(plan: Plan, choices: dict | None = None, write: bool = True) -> Plan:
     """The final stage's runs: every arm at its chosen grid point and T0 (one sweep per alpha,
     since the choice is made per alpha) over the plan's seeds, test set evaluated."""
-    choices = choose(plan) if choices is None else choices
+    choices = choose(plan, write) if choices is None else choices
     chosen = {(c["sweep"], c["arm"], c["alpha"]): c["chosen"] for c in choices["choices"]}
     sweeps = []
     for sw in plan.sweeps:

@@ -43,9 +43,11 @@ def test_control_needs_a_trainable_rest(digits):
                     "algorithm.freeze=v_attn_out", "algorithm.train=v")
 
 
-def test_finetuned_accuracy_equals_a_plain_loop(digits64):
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_finetuned_accuracy_equals_a_plain_loop(digits64, schedule):
     """eval.finetune: each client fine-tunes the final global model for one local round of
-    plain SGD on fresh minibatches, then is tested on its own split."""
+    plain SGD at train.lr (also when the schedule ends at 0, as cosine does) on fresh
+    minibatches, then is tested on its own split."""
     from real_data.engines import make_batches, task_loss
     from real_data.metrics import evaluate
 
@@ -53,7 +55,8 @@ def test_finetuned_accuracy_equals_a_plain_loop(digits64):
     rounds, k, lr = 2, 3, 0.1
     cfg = tiny_config("algorithm.name=fedprox", "algorithm.mu=0.5", "train.precision=fp64",
                       "train.optimizer=sgd", f"train.lr={lr}", f"train.local_steps={k}",
-                      f"train.rounds={rounds}", "eval.finetune=true")
+                      f"train.rounds={rounds}", "eval.finetune=true",
+                      f"train.lr_schedule={schedule}")
     fed = federation(cfg, digits64, part)
     state = fed.initial_state()
     for rnd in range(1, rounds + 1):

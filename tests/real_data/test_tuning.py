@@ -128,6 +128,13 @@ def test_compare_intervals_tost_and_verdicts():
     assert noisy["verdict"] == "inconclusive" and noisy["tost_p"] > 0.05
     (loss,) = study.compare(_rows([-0.05, -0.06, -0.045]))
     assert loss["verdict"] == "loss"
+    (close,) = study.compare(_rows([0.002, 0.0025, 0.0021, 0.0022, 0.0024]))
+    assert close["verdict"] == "win within margin"  # significant, and smaller than 1 point
+    rows = _rows([0.03, 0.02, 0.025]) + [
+        {"sweep": "s", "arm": "new", "warmup_rounds": None, "alpha": 0.1, "seed": 3,
+         "score": float("nan"), "status": "diverged"}]
+    (div,) = study.compare(rows)
+    assert div["n"] == 3 and div["diverged"] == 1 and div["against_diverged"] == 0
     (same,) = study.compare(_rows([0.0, 0.0, 0.0]))
     assert same["verdict"] == "identical"
     (one,) = study.compare(_rows([0.01]))
@@ -140,6 +147,7 @@ def test_compare_intervals_tost_and_verdicts():
     (lambda d: d["tune"].update(validation_fraction=0.7), "tune.validation_fraction"),
     (lambda d: d["tune"].update(metric="test_acc"), "tune.metric"),
     (lambda d: d.pop("tune"), "no 'tune' section"),
+    (lambda d: d["tune"].update(seed=1), "tune.seed"),
 ])
 def test_bad_tuning_plans_name_the_key(tmp_path, mutate, key):
     data = yaml.safe_load(yaml.safe_dump(PLAN))
@@ -150,7 +158,7 @@ def test_bad_tuning_plans_name_the_key(tmp_path, mutate, key):
     assert res.returncode == 2 and not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("name,runs", [("fair", 1401), ("fair_digits", 144), ("shift_digits", 66)])
+@pytest.mark.parametrize("name,runs", [("fair", 1347), ("fair_digits", 144), ("shift_digits", 66)])
 def test_shipped_tuned_plans_expand(name, runs):
     plan = study.load_plan(name)
     tune = study.tuning_plan(plan)
@@ -161,3 +169,34 @@ def test_shipped_tuned_plans_expand(name, runs):
         cfg = study.run_config(spec, spec.warmup_rounds)
         assert cfg.partition.validation_fraction == plan.tune.validation_fraction
         assert cfg.eval.test is False
+
+
+def test_a_branch_of_a_diverged_warm_up_scores_as_diverged(tmp_path):
+    """A T0 family whose warm-up run diverged before a branch's T0 leaves no snapshot: the
+    branch is the same diverged trajectory, so the choice goes on without it."""
+    plan = study.load_plan(_write(tmp_path), tmp_path / "out")
+    out = tmp_path / "out"
+
+    def fake(key, status, val=None):
+        d = out / key
+        d.mkdir(parents=True)
+        (d / "summary.json").write_text(json.dumps({"status": status}))
+        rows = ["round,client,metric,value,stage"] + [
+            f"{r},global,val_acc,{v},warmup" for r, v in enumerate(val or [], 1)]
+        (d / "metrics.csv").write_text("\n".join(rows) + "\n")
+
+    for i in (0, 1):
+        fake(study.run_key("digits", f"fedavg+{i}", None, 0.5, 7), "completed", [0.5, 0.6])
+    for i in range(4):
+        head = study.run_key("digits", f"frozen+{i}", 3, 0.5, 7)
+        if i == 2:  # diverged in round 1, before T0 = 1's snapshot: no branch directory
+            fake(head, "diverged", [0.1])
+        else:
+            fake(head, "completed", [0.5, 0.7 + i / 100])
+            fake(study.run_key("digits", f"frozen+{i}", 1, 0.5, 7), "completed", [0.5, 0.4])
+    choices = study.choose(plan, write=False)
+    frozen = next(c for c in choices["choices"] if c["arm"] == "frozen")
+    cands = {(c["grid_point"], c["warmup_rounds"]): c for c in frozen["candidates"]}
+    assert cands[(2, 1)]["status"] == "diverged" and cands[(2, 3)]["status"] == "diverged"
+    assert frozen["chosen"]["grid_point"] == 3 and frozen["chosen"]["warmup_rounds"] == 3
+    assert not (out / study.CHOICES_FILE).exists()  # write=False writes nothing
