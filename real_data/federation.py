@@ -162,10 +162,12 @@ class Federation:
         self._flops: dict[tuple[str, ...], int] = {}
 
     # -- state --------------------------------------------------------------------------------
-    def initial_state(self) -> FedState:
+    def initial_state(self, fresh: bool = True) -> FedState:
+        """Round 0's state. ``fresh=False`` (a resume, whose checkpoint replaces the parameters)
+        skips reading ``train.init_from``, so a resumed run does not need that file."""
         params = {n: p.detach().clone() for n, p in self.model.named_parameters()}
         t = self.cfg.train
-        if t.init_from is not None:  # transfer initialization, whatever the algorithm
+        if t.init_from is not None and fresh:  # transfer initialization, whatever the algorithm
             from real_data.pretrain import checked_pretrained, transfer_init
 
             loaded = checked_pretrained(t.init_from, self.algorithm.ctx, "train.init_from",

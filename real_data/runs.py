@@ -233,7 +233,7 @@ def _open_locked(run_dir: Path, lock: RunLock, trainer, dataset, device) -> Prep
     dataset, partition = shifted(cfg, dataset, partition)
     fed = Federation(cfg, dataset, partition, device=device, trainer=trainer)
     ckpt = run_dir / "checkpoints" / "last.pt"
-    state, elapsed = fed.initial_state(), 0.0
+    state, elapsed = fed.initial_state(fresh=not ckpt.exists()), 0.0
     if ckpt.exists():
         state, extra, rng = load_checkpoint(ckpt, fed.device)
         if not 0 <= state.round <= cfg.train.rounds:

@@ -183,9 +183,10 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
         if not any(fnmatch.fnmatch(s.key, p) for s in specs):
             raise ConfigError(f"--slice {p!r} matches no run of plan {plan.name!r}; "
                               "`linattn study --plan ... --list` shows the run keys")
-    # check every config before anything runs, so a bad plan writes nothing
+    # check every config before anything runs, so a bad plan writes nothing; a run directory
+    # that already exists must hold the run the plan now asks for
     for s in specs:
-        run_config(s, s.warmup_rounds)
+        check_existing(s, run_config(s, s.warmup_rounds))
     groups: dict[tuple, list[RunSpec]] = {}
     for s in specs:
         groups.setdefault((s.sweep.name, s.arm.name, s.alpha, s.seed), []).append(s)
@@ -247,6 +248,34 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
             cost_done += cost
         done += len(batch)
     return counts
+
+
+SAME_SECTIONS = ("seed", "data", "partition", "algorithm", "train", "eval")
+
+
+def check_existing(spec: RunSpec, cfg) -> None:
+    """Raise UserError if ``spec``'s run directory holds a run of another configuration (the
+    plan changed since it ran: a grid point's index names another point, or a tuned choice
+    moved), comparing the sections that decide the results."""
+    saved = spec.run_dir / "config.yaml"
+    if not saved.is_file():
+        return
+    from linattn.configio import load_yaml
+    from real_data.config import config_from_dict, config_to_dict
+
+    have = config_to_dict(config_from_dict(load_yaml(saved), source=saved))
+    want = config_to_dict(cfg)
+    for section in SAME_SECTIONS:
+        a, b = have.get(section), want.get(section)
+        if a != b:
+            if isinstance(a, dict) and isinstance(b, dict):
+                key = next(k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
+                what = f"{section}.{key}: ran with {a.get(key)!r}, the plan asks {b.get(key)!r}"
+            else:
+                what = f"{section}: ran with {a!r}, the plan asks {b!r}"
+            raise UserError(f"{spec.run_dir} holds a run of another configuration ({what}); "
+                            "the plan changed since it ran: move that run away or give the "
+                            "study another --out")
 
 
 def _head_action(head: RunSpec, counts: dict, log) -> str:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import yaml
 
-from linattn.errors import ConfigError
+from linattn.errors import ConfigError, UserError
 from real_data import study
 
 PLAN = {
@@ -393,3 +393,17 @@ def test_a_failing_run_leaves_its_stacked_group_and_the_others_go_on(tmp_path, m
     assert counts["failed"] == 1 and counts["started"] == 3 and counts["branched"] == 1
     assert any("FAILED digits/fedavg" in line and "simulated crash" in line for line in lines)
     assert [study._status(s.run_dir) for s in study.plan_runs(plan)].count("completed") == 3
+
+
+def test_a_run_directory_of_another_configuration_is_refused(tmp_path):
+    """Editing a plan after its runs exist (another lr for an arm) must not reuse them."""
+    plan = _plan(tmp_path)
+    study.run_study(plan, pattern="digits/fedavg/*", log=lambda *_: None)
+    data = yaml.safe_load(yaml.safe_dump(PLAN))
+    data["sweeps"][0]["arms"][0]["overrides"].append("train.lr=0.123")
+    changed = _plan(tmp_path, data)
+    with pytest.raises(UserError, match=r"train\.lr: ran with 0\.01, the plan asks 0\.123"):
+        study.run_study(changed, pattern="digits/fedavg/*", log=lambda *_: None)
+    # unchanged, it is skipped as before
+    again = study.run_study(plan, pattern="digits/fedavg/*", log=lambda *_: None)
+    assert again["skipped"] == 1

@@ -71,3 +71,19 @@ def test_mismatches_name_the_key(tmp_path, digits64):
     with pytest.raises(ConfigError, match="train.init_from and algorithm.pretrained"):
         federation(tiny_config("algorithm.name=fedsq", f"algorithm.pretrained={path}",
                                f"train.init_from={path}", "model.activation=relu"), data, part)
+
+
+def test_resume_does_not_need_the_pretrained_file(tmp_path, digits64):
+    import shutil
+
+    from real_data.runs import resume_run, start_run
+
+    path = pretrained_file(tmp_path, digits64)
+    moved = tmp_path / "moved.pt"
+    cfg = tiny_config("algorithm.name=fedavg", f"train.init_from={moved}",
+                      "model.activation=relu", "train.rounds=2", "partition.num_clients=3")
+    shutil.copy(path, moved)
+    res = start_run(cfg, out=tmp_path / "run")
+    (res.run_dir / "summary.json").unlink()  # as if killed after its last checkpoint
+    moved.unlink()
+    assert resume_run(res.run_dir).status == "completed"
