@@ -123,6 +123,9 @@ class Federation:
         self.x_train, self.y_train, self.x_test, self.y_test = _device_data(
             dataset, self.device, self.dtype)
         self.partition = partition
+        # the partition as written to the run directory (``runs.shifted`` replaces it by the
+        # unshifted one it built this federation's partition from); a T0 branch starts from it
+        self.source_partition = partition
         self.sizes = torch.as_tensor(partition.sizes, dtype=torch.float64)
         # the pooled validation split (every client's held-out training samples), if any
         self.x_val, self.y_val = _validation_data(partition, self.x_train, self.y_train)

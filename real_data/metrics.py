@@ -33,17 +33,25 @@ def evaluate(
     autocast: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sample loss and accuracy (text: averaged over positions), each ``(N,)`` float64."""
+    return _in_minibatches(x, y, batch_size, autocast, forward, lambda yb: yb)
+
+
+def _in_minibatches(x, y, step: int, autocast, logits_of, target
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample loss and accuracy over ``x`` in minibatches of ``step`` samples, under bf16
+    autocast when given: ``logits_of(xb)`` and ``target(yb)`` shape one minibatch; the samples
+    are on the last axis of the result."""
     losses, correct = [], []
-    for start in range(0, len(x), batch_size):
-        xb, yb = x[start:start + batch_size], y[start:start + batch_size]
+    for start in range(0, len(x), step):
+        xb, yb = x[start:start + step], y[start:start + step]
         ctx = (torch.autocast(x.device.type, dtype=autocast) if autocast
                else contextlib.nullcontext())
         with ctx:
-            logits = forward(xb)
-        lv, hit = _loss_hit(logits, yb, text=yb.dim() > 1)
+            logits = logits_of(xb)
+        lv, hit = _loss_hit(logits, target(yb), text=yb.dim() > 1)
         losses.append(lv)
         correct.append(hit)
-    return torch.cat(losses), torch.cat(correct)
+    return torch.cat(losses, dim=-1), torch.cat(correct, dim=-1)
 
 
 def _loss_hit(logits: torch.Tensor, y: torch.Tensor, text: bool
@@ -78,18 +86,10 @@ def evaluate_stacked(
     r = next(iter(params.values())).shape[0]
     step = max(1, min(batch_size, 65535 // r))
     names = frozenset(params)
-    losses, correct = [], []
-    for start in range(0, len(x), step):
-        xb, yb = x[start:start + step], y[start:start + step]
-        ctx = (torch.autocast(x.device.type, dtype=autocast) if autocast
-               else contextlib.nullcontext())
-        with ctx:
-            logits = stacked_forward(model, params, names,
-                                     xb.unsqueeze(0).expand(r, *xb.shape))
-        lv, hit = _loss_hit(logits, yb.unsqueeze(0).expand(r, *yb.shape), text=yb.dim() > 1)
-        losses.append(lv)
-        correct.append(hit)
-    return torch.cat(losses, dim=1), torch.cat(correct, dim=1)
+    return _in_minibatches(
+        x, y, step, autocast,
+        lambda xb: stacked_forward(model, params, names, xb.unsqueeze(0).expand(r, *xb.shape)),
+        lambda yb: yb.unsqueeze(0).expand(r, *yb.shape))
 
 
 def worst_fraction_mean(values: np.ndarray, fraction: float = 0.1) -> float:

@@ -166,6 +166,7 @@ def prepare_start(cfg: Config, out: Path | None = None, dataset=None, partition=
     device = device or resolve_device(cfg.train.device)
     check_memory(cfg, dataset, partition, device)
     fed = Federation(cfg, *shifted(cfg, dataset, partition), device=device, trainer=trainer)
+    fed.source_partition = partition
     _check_output_options(cfg)
     run_dir = Path(out) if out else _fresh_dir(Path(cfg.run.out_dir) / run_name(cfg, fed))
     lock = rundir.create_locked(run_dir)
@@ -230,8 +231,8 @@ def _open_locked(run_dir: Path, lock: RunLock, trainer, dataset, device) -> Prep
     partition = load_partition(run_dir / "partition.npz")
     device = device or resolve_device(cfg.train.device)
     check_memory(cfg, dataset, partition, device)
-    dataset, partition = shifted(cfg, dataset, partition)
-    fed = Federation(cfg, dataset, partition, device=device, trainer=trainer)
+    fed = Federation(cfg, *shifted(cfg, dataset, partition), device=device, trainer=trainer)
+    fed.source_partition = partition
     ckpt = run_dir / "checkpoints" / "last.pt"
     state, elapsed = fed.initial_state(fresh=not ckpt.exists()), 0.0
     if ckpt.exists():

@@ -274,7 +274,7 @@ def _branch(parent: _Member, b: Branch, dataset, device, log, hook) -> _Member |
         if not snap.is_file():
             log(f"no snapshot {snap} (the parent stopped before it): branch not run")
             return None
-        prep = prepare_start(b.cfg, dataset=dataset, partition=_source_partition(parent),
+        prep = prepare_start(b.cfg, dataset=dataset, partition=parent.fed.source_partition,
                              branch=snap, device=device)
         return _Member(prep, RunLog(prep, hook), {}, label=b.label)
     if (b.run_dir / "summary.json").is_file():
@@ -290,18 +290,9 @@ def _branch(parent: _Member, b: Branch, dataset, device, log, hook) -> _Member |
             shutil.rmtree(b.run_dir)
         log(f"branch {b.run_dir} from {snap.name}")
         prep = prepare_start(b.cfg, out=b.run_dir, dataset=dataset,
-                             partition=_source_partition(parent), branch=snap, device=device)
+                             partition=parent.fed.source_partition, branch=snap, device=device)
     return _Member(prep, RunLog(prep, hook), {}, label=b.label)
 
-
-def _source_partition(parent: _Member):
-    """The partition a branch starts from: the parent's as written in its run directory (a
-    federation under ``partition.shift`` holds the shifted one, rebuilt from this)."""
-    if parent.fed.cfg.partition.shift is None:
-        return parent.fed.partition
-    from real_data.data import load_partition
-
-    return load_partition(parent.prep.run_dir / "partition.npz")
 
 
 def _close(m: _Member, status: str, message: str) -> tuple[object, RunResult]:

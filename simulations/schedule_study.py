@@ -14,7 +14,7 @@ R(schedule, T0) = F(M_T0, V_T) - Phi* gives, per problem:
 
 ``both / decay`` <= 1 is what freezing adds to the best decay (1: nothing). Two grids:
 :func:`study_cells`, a 2^(8-2) fractional factorial over d, C, K, eta, T, zeta_K, zeta_V and
-rho (issue of the schedule comparison), and :func:`map_cells`, covariate shift rho x teacher
+rho (does freezing add to the best decay?), and :func:`map_cells`, covariate shift rho x teacher
 heterogeneity (zeta_K, zeta_V) x eta (the map of where freezing pays). The summaries are in
 :mod:`simulations.schedule_stats`, the finite-sample spot check in
 :mod:`simulations.schedule_sim`, the command (``linattn simulate schedules``) in

@@ -5,6 +5,7 @@ Runs through the CLI or ``start_run`` use the real data layer (``real_data.data`
 
 from __future__ import annotations
 
+import csv
 import os
 import subprocess
 import sys
@@ -115,3 +116,46 @@ def train_rounds(fed, rounds: int):
         state, rec = fed.run_round(state, rnd)
         records += rec
     return state, records
+
+
+def global_metrics(path) -> dict[str, dict[int, float]]:
+    """A run's ``metrics.csv`` global rows as {metric: {round: value}}."""
+    out: dict[str, dict[int, float]] = {}
+    with open(path, newline="") as fh:
+        for r in csv.DictReader(fh):
+            if r["client"] == "global":
+                out.setdefault(r["metric"], {})[int(r["round"])] = float(r["value"])
+    return out
+
+
+def metric_rows(path) -> dict[tuple, float]:
+    """Every row of a ``metrics.csv``, keyed by (round, client, metric, stage)."""
+    with open(path, newline="") as fh:
+        return {(r["round"], r["client"], r["metric"], r.get("stage")): float(r["value"])
+                for r in csv.DictReader(fh)}
+
+
+PRETRAIN_SKIP = 1000  # runs on pretrained models use digits samples 0..999, pretraining the rest
+
+
+def pretrained_file(tmp_path, dataset, activation="relu"):
+    """A tiny ViT trained centrally on digits samples PRETRAIN_SKIP.. (disjoint from the run's
+    data, :func:`pretrain_target`); returns (path, PretrainResult)."""
+    from real_data.models import build_model, complete_model_config
+    from real_data.pretrain import PretrainSettings, pretrain_model, save_pretrained
+
+    cfg = tiny_config("algorithm.name=fedavg", f"model.activation={activation}")
+    mcfg = complete_model_config("vit", cfg.model.params, dataset.input_shape, 10)
+    model = build_model("vit", mcfg, 5, dataset.x_train.dtype)
+    res = pretrain_model(model, dataset, PretrainSettings("digits", skip=PRETRAIN_SKIP,
+                                                          epochs=2, batch_size=32, lr=1e-2),
+                         torch.device("cpu"))
+    path = tmp_path / "pretrained.pt"
+    save_pretrained(path, res, {"source": "digits", "model_config": {"activation": activation}})
+    return path, res
+
+
+def pretrain_target(dataset) -> TensorDataset:
+    """The first PRETRAIN_SKIP training samples: the federation's data beside a pretraining."""
+    return TensorDataset(dataset.name, dataset.task, dataset.x_train[:PRETRAIN_SKIP],
+                         dataset.y_train[:PRETRAIN_SKIP], dataset.x_test, dataset.y_test, 10)

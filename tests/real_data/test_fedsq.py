@@ -5,18 +5,22 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import federation, random_partition, tiny_config
+from conftest import (
+    PRETRAIN_SKIP,
+    federation,
+    pretrain_target,
+    pretrained_file,
+    random_partition,
+    tiny_config,
+)
 from test_fedpart import engines_agree
 
 from linattn.cli import main as linattn_main
 from real_data.algorithms.fedsq import dual_forward
 from real_data.config import load_config
-from real_data.data.base import TensorDataset
 from real_data.federation import BYTES_PER_NUMBER, sample_clients
 from real_data.models import CharTransformer, CharTransformerConfig, ViT, ViTConfig, names_of_kind
-from real_data.pretrain import PretrainSettings, load_pretrained, pretrain_model, save_pretrained
-
-TARGET = 1000  # the federation uses digits training samples 0..999, pretraining the rest
+from real_data.pretrain import load_pretrained
 
 
 def _vit(activation="relu", seed=0):
@@ -87,30 +91,10 @@ def test_strict_query_key_get_no_gradient(digits64, strict):
             assert g is not None and float(g.abs().max()) > 0, n
 
 
-def _pretrained_file(tmp_path, dataset, activation="relu"):
-    """A tiny ViT trained centrally on digits samples TARGET.. (disjoint from the run's)."""
-    cfg = tiny_config("algorithm.name=fedavg", f"model.activation={activation}")
-    from real_data.models import build_model, complete_model_config
-
-    mcfg = complete_model_config("vit", cfg.model.params, dataset.input_shape, 10)
-    model = build_model("vit", mcfg, 5, dataset.x_train.dtype)
-    res = pretrain_model(model, dataset, PretrainSettings("digits", skip=TARGET, epochs=2,
-                                                          batch_size=32, lr=1e-2),
-                         torch.device("cpu"))
-    path = tmp_path / "pretrained.pt"
-    save_pretrained(path, res, {"source": "digits"})
-    return path, res
-
-
-def _target(dataset):
-    return TensorDataset(dataset.name, dataset.task, dataset.x_train[:TARGET],
-                         dataset.y_train[:TARGET], dataset.x_test, dataset.y_test, 10)
-
-
 @pytest.mark.parametrize("strict", [False, True])
 def test_structure_never_changes_and_is_never_sent(tmp_path, digits64, strict):
-    path, _ = _pretrained_file(tmp_path, digits64)
-    data = _target(digits64)
+    path, _ = pretrained_file(tmp_path, digits64)
+    data = pretrain_target(digits64)
     part = random_partition(data, 4, seed=0, alpha=0.5)
     fed = federation(tiny_config("algorithm.name=fedsq", f"algorithm.pretrained={path}",
                                  f"algorithm.strict={str(strict).lower()}",
@@ -162,8 +146,8 @@ def test_from_scratch_variant_takes_s_after_the_warmup(digits64):
 
 
 def test_engines_agree(tmp_path, digits64):
-    path, _ = _pretrained_file(tmp_path, digits64, activation="gelu")
-    data = _target(digits64)
+    path, _ = pretrained_file(tmp_path, digits64, activation="gelu")
+    data = pretrain_target(digits64)
     part = random_partition(data, 4, seed=1, alpha=0.5)
     engines_agree(data, part, 3, "train.optimizer=sgd", "train.lr=0.1", "train.momentum=0.9",
                   "algorithm.name=fedsq", f"algorithm.pretrained={path}")
@@ -178,7 +162,7 @@ def test_pretrain_command_then_fedsq_beats_chance(tmp_path, capsys):
     model = ["model.activation=relu", "model.depth=1"]
     out = tmp_path / "s.pt"
     code = linattn_main(["pretrain", "--config", "digits_vit", "--source", "digits",
-                         "--source-skip", str(TARGET), "--epochs", "4", "--lr", "0.01",
+                         "--source-skip", str(PRETRAIN_SKIP), "--epochs", "4", "--lr", "0.01",
                          "--batch-size", "32", "--out", str(out), *model])
     assert code == 0, capsys.readouterr().err
     params, meta = load_pretrained(out)
@@ -188,7 +172,7 @@ def test_pretrain_command_then_fedsq_beats_chance(tmp_path, capsys):
 
     cfg = load_config("digits_vit", [*model, "algorithm.name=fedsq",
                                      f"algorithm.pretrained={out}",
-                                     f"data.train_limit={TARGET}", "train.rounds=5",
+                                     f"data.train_limit={PRETRAIN_SKIP}", "train.rounds=5",
                                      "run.progress=false", "run.plot=false"])
     res = start_run(cfg, out=tmp_path / "run")
     best = res.summary["best"]["test_acc"]

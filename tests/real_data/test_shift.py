@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import csv
-
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import global_metrics, metric_rows, tiny_config
 from test_data_partition import text_dataset
 
 from linattn.errors import ConfigError, DataError
@@ -112,15 +110,6 @@ def test_text_data_is_refused():
                     {"kind": "concept", "classes": 2, "groups": 2})
 
 
-def _global(path):
-    out = {}
-    with open(path) as fh:
-        for r in csv.DictReader(fh):
-            if r["client"] == "global":
-                out.setdefault(r["metric"], {})[int(r["round"])] = float(r["value"])
-    return out
-
-
 def test_run_scores_the_federated_objective_and_resumes(tmp_path):
     import shutil
 
@@ -131,7 +120,7 @@ def test_run_scores_the_federated_objective_and_resumes(tmp_path):
             "partition.shift={kind: concept, classes: 6, groups: 2}", "train.precision=fp64",
             "train.rounds=3")
     full = start_run(tiny_config(*over), out=tmp_path / "full")
-    rows = _global(full.run_dir / "metrics.csv")
+    rows = global_metrics(full.run_dir / "metrics.csv")
     # the global test set is every client's own split under its own labelling
     assert rows["test_acc"][3] == pytest.approx(rows["local_acc_micro"][3], abs=1e-12)
     # a run put back to its round-1 state resumes to the same rows: the shifted data are
@@ -169,7 +158,8 @@ def test_stacked_t0_branch_under_shift_equals_runs_alone(tmp_path):
                         dataset=dataset, log=lambda s: None)
     assert sorted(r.status for _, r in results) == ["completed", "completed"]
     for a, g in (("alone_parent", "g_parent"), ("alone_child", "g_child")):
-        ra, rg = _rows(tmp_path / a / "metrics.csv"), _rows(tmp_path / g / "metrics.csv")
+        ra = metric_rows(tmp_path / a / "metrics.csv")
+        rg = metric_rows(tmp_path / g / "metrics.csv")
         assert ra.keys() == rg.keys()
         assert all(abs(ra[k] - rg[k]) <= 1e-6 * abs(ra[k]) + 1e-9 for k in ra), g
     from real_data.runs import shifted
@@ -184,8 +174,3 @@ def load_partition_of(run_dir):
 
     return load_partition(run_dir / "partition.npz")
 
-
-def _rows(path):
-    with open(path) as fh:
-        return {(r["round"], r["client"], r["metric"]): float(r["value"])
-                for r in csv.DictReader(fh)}

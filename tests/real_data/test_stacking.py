@@ -11,7 +11,6 @@ and resumed must end with every run's metrics.csv byte-identical to the uninterr
 
 from __future__ import annotations
 
-import csv
 import os
 import signal
 import subprocess
@@ -20,7 +19,7 @@ import time
 
 import pytest
 import torch
-from conftest import REPO, TINY, tiny_config
+from conftest import REPO, TINY, metric_rows, tiny_config
 
 from real_data.runs import load_data, make_partition_for, start_run
 from real_data.stacked_runs import Branch, RunRequest, run_group
@@ -45,12 +44,6 @@ def _cfg(name: str):
     if name == BRANCH[0]:
         return tiny_config(*BASE, *RUNS[BRANCH[1]], f"algorithm.warmup_rounds={BRANCH[2]}")
     return tiny_config(*BASE, *RUNS[name])
-
-
-def _rows(path) -> dict[tuple, float]:
-    with open(path) as fh:
-        return {(r["round"], r["client"], r["metric"], r.get("stage")): float(r["value"])
-                for r in csv.DictReader(fh)}
 
 
 def _requests(root, resume: bool = False) -> list[RunRequest]:
@@ -102,14 +95,14 @@ def test_stacked_group_equals_runs_trained_alone(tmp_path, monkeypatch):
     assert sorted(r.run_dir.name for _, r in results) == sorted([*RUNS, BRANCH[0]])
     assert all(r.status == "completed" for _, r in results)
     for name in [*RUNS, BRANCH[0]]:
-        a, g = _rows(alone / name / "metrics.csv"), _rows(tmp_path / "group" / name /
+        a, g = metric_rows(alone / name / "metrics.csv"), metric_rows(tmp_path / "group" / name /
                                                           "metrics.csv")
         assert a.keys() == g.keys(), name
         bad = {k: (a[k], g[k]) for k in a if abs(a[k] - g[k]) > 1e-6 * abs(a[k]) + 1e-9}
         assert not bad, (name, list(bad.items())[:5])
-    stages = {k[3] for k in _rows(tmp_path / "group" / BRANCH[0] / "metrics.csv")}
+    stages = {k[3] for k in metric_rows(tmp_path / "group" / BRANCH[0] / "metrics.csv")}
     assert stages == {"warmup", "frozen"}
-    lrs = {k[0]: v for k, v in _rows(tmp_path / "group" / "fedavg_lr" / "metrics.csv").items()
+    lrs = {k[0]: v for k, v in metric_rows(tmp_path / "group" / "fedavg_lr" / "metrics.csv").items()
            if k[2] == "lr"}
     assert lrs == {"1": 0.03, "2": 0.03, "3": 0.015, "4": 0.015}
 
@@ -210,7 +203,7 @@ def test_stacked_sweep_equals_the_sweep_run_by_run(tmp_path):
     assert [r.run_dir.name for r in stacked] == [r.run_dir.name for r in alone]
     assert len(stacked) == 6 and all(r.status == "completed" for r in stacked)
     for a, s in zip(alone, stacked):
-        ra, rs = _rows(a.run_dir / "metrics.csv"), _rows(s.run_dir / "metrics.csv")
+        ra, rs = metric_rows(a.run_dir / "metrics.csv"), metric_rows(s.run_dir / "metrics.csv")
         assert ra.keys() == rs.keys()
         assert all(abs(ra[k] - rs[k]) <= 1e-6 * abs(ra[k]) + 1e-9 for k in ra), a.run_dir.name
     def index(folder):  # run, algorithm, seed, alpha, T0, status of each row

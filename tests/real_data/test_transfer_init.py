@@ -4,42 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import federation, random_partition, tiny_config
+from conftest import federation, pretrain_target, pretrained_file, random_partition, tiny_config
 
 from linattn.errors import ConfigError, UserError
-from real_data.data.base import TensorDataset
-from real_data.models import build_model, complete_model_config, names_of_kind
-from real_data.pretrain import (
-    PretrainSettings,
-    load_pretrained,
-    pretrain_model,
-    save_pretrained,
-)
-
-TARGET = 1000  # the federation uses digits samples 0..999, the pretraining the rest
-
-
-def pretrained_file(tmp_path, dataset, activation="relu"):
-    cfg = tiny_config("algorithm.name=fedavg", f"model.activation={activation}")
-    mcfg = complete_model_config("vit", cfg.model.params, dataset.input_shape, 10)
-    model = build_model("vit", mcfg, 5, dataset.x_train.dtype)
-    res = pretrain_model(model, dataset, PretrainSettings("digits", skip=TARGET, epochs=1,
-                                                          batch_size=32, lr=1e-2),
-                         torch.device("cpu"))
-    path = tmp_path / "pretrained.pt"
-    save_pretrained(path, res, {"source": "digits", "model_config": {"activation": activation}})
-    return path
-
-
-def target(dataset):
-    return TensorDataset(dataset.name, dataset.task, dataset.x_train[:TARGET],
-                         dataset.y_train[:TARGET], dataset.x_test, dataset.y_test, 10)
+from real_data.models import names_of_kind
+from real_data.pretrain import load_pretrained
 
 
 @pytest.mark.parametrize("algo", ["fedavg", "fedfrozen", "fedsq"])
 def test_every_algorithm_starts_where_fedsq_starts(tmp_path, digits64, algo):
-    path = pretrained_file(tmp_path, digits64)
-    data = target(digits64)
+    path, _ = pretrained_file(tmp_path, digits64)
+    data = pretrain_target(digits64)
     part = random_partition(data, 4, seed=0, alpha=0.5)
     common = ("model.activation=relu", "train.precision=fp64", "train.rounds=3")
     if algo == "fedsq":
@@ -58,8 +33,8 @@ def test_every_algorithm_starts_where_fedsq_starts(tmp_path, digits64, algo):
 
 
 def test_mismatches_name_the_key(tmp_path, digits64):
-    path = pretrained_file(tmp_path, digits64, activation="relu")
-    data = target(digits64)
+    path, _ = pretrained_file(tmp_path, digits64, activation="relu")
+    data = pretrain_target(digits64)
     part = random_partition(data, 2, seed=0)
     fed = federation(tiny_config("algorithm.name=fedavg", f"train.init_from={path}",
                                  "model.activation=gelu"), data, part)
@@ -78,7 +53,7 @@ def test_resume_does_not_need_the_pretrained_file(tmp_path, digits64):
 
     from real_data.runs import resume_run, start_run
 
-    path = pretrained_file(tmp_path, digits64)
+    path, _ = pretrained_file(tmp_path, digits64)
     moved = tmp_path / "moved.pt"
     cfg = tiny_config("algorithm.name=fedavg", f"train.init_from={moved}",
                       "model.activation=relu", "train.rounds=2", "partition.num_clients=3")

@@ -4,13 +4,12 @@ schedule, and the only split a tuning run (``eval.test=false``) reads."""
 
 from __future__ import annotations
 
-import csv
 import json
 
 import numpy as np
 import pytest
 import torch
-from conftest import run_cli, tiny_config
+from conftest import global_metrics, run_cli, tiny_config
 from test_data_partition import synthetic, text_dataset
 
 from linattn.errors import ConfigError, DataError
@@ -105,15 +104,6 @@ def test_config_key_checked():
             tiny_config(f"partition.validation_fraction={bad}")
 
 
-def _global(path) -> dict[str, dict[int, float]]:
-    out: dict[str, dict[int, float]] = {}
-    with open(path) as fh:
-        for r in csv.DictReader(fh):
-            if r["client"] == "global":
-                out.setdefault(r["metric"], {})[int(r["round"])] = float(r["value"])
-    return out
-
-
 def test_run_reports_validation_metrics_equal_to_a_direct_evaluation(tmp_path):
     from real_data.checkpoint import load_checkpoint
     from real_data.federation import Federation
@@ -123,7 +113,7 @@ def test_run_reports_validation_metrics_equal_to_a_direct_evaluation(tmp_path):
     cfg = tiny_config("algorithm.name=fedavg", "train.rounds=3", "partition.num_clients=4",
                       "train.precision=fp64", "partition.validation_fraction=0.2")
     res = start_run(cfg, out=tmp_path / "run")
-    rows = _global(res.run_dir / "metrics.csv")
+    rows = global_metrics(res.run_dir / "metrics.csv")
     assert set(rows["val_acc"]) == set(rows["test_acc"]) == {1, 2, 3}
     part = load_partition(res.run_dir / "partition.npz")
     state, _, _ = load_checkpoint(res.run_dir / "checkpoints" / "last.pt", torch.device("cpu"))
@@ -152,7 +142,7 @@ def test_tuning_run_never_reads_the_test_set(tmp_path, monkeypatch):
     cfg = tiny_config("algorithm.name=fedavg", "train.rounds=2", "partition.num_clients=4",
                       "eval.test=false", "partition.validation_fraction=0.1")
     res = start_run(cfg, out=tmp_path / "run")
-    rows = _global(res.run_dir / "metrics.csv")
+    rows = global_metrics(res.run_dir / "metrics.csv")
     assert "val_acc" in rows and "test_acc" not in rows and "test_loss" not in rows
     from real_data.federation import _DATA
 
@@ -172,7 +162,7 @@ def test_plateau_schedule_observes_the_validation_loss(tmp_path):
                       "train.precision=fp64", "train.lr=0.8", "partition.validation_fraction=0.2",
                       f"train.lr_schedule={json.dumps(sched)}")
     res = start_run(cfg, out=tmp_path / "run")
-    rows = _global(res.run_dir / "metrics.csv")
+    rows = global_metrics(res.run_dir / "metrics.csv")
     ref, schedule, lrs = PlateauState(), schedule_from_dict(sched), []
     for rnd in range(1, 9):
         lrs.append(0.8 * ref.multiplier)
