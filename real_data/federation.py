@@ -264,13 +264,19 @@ class Federation:
         _check_finite(rnd, ids, None, {n: new_params[n] for n in plan.upload})
         # 4. diagnostics of the round
         p = weights.double()
+        losses = results.data_loss.to(p.device).double()
+        # one host sync for the round's scalars and the clients' losses
+        head = torch.stack([(p * losses).sum(), (p * results.objective.to(p.device)).sum(),
+                            results.grad_norm_first.mean().double().to(p.device),
+                            results.grad_norm_last.mean().double().to(p.device)])
+        scalars = torch.cat([head, losses]).tolist()
+        steps = int(results.steps.sum())
         g = {
-            "train_loss": float((p * results.data_loss.to(p.device)).sum()),
-            "local_objective": float((p * results.objective.to(p.device)).sum()),
+            "train_loss": scalars[0],
+            "local_objective": scalars[1],
             "bytes_up": float(bytes_up),
             "bytes_down": float(bytes_down),
-            "train_flops": float(int(results.steps.sum())
-                                 * self._step_flops(plan.trainable, plan.stage)),
+            "train_flops": float(steps * self._step_flops(plan.trainable, plan.stage)),
             "trainable_params": float(sum(new_params[n].numel() for n in plan.trainable)),
             "qk_change": relative_change(state.global_params, new_params, self.qk_names),
         }
@@ -282,18 +288,16 @@ class Federation:
                                                         trained.update_norm)
         g["update_dispersion_rel"] = g["update_dispersion"] / max(g["update_norm"], 1e-300)
         if state.prev_grad_norm_last is not None:
-            g["grad_norm_jump"] = float(results.grad_norm_first.mean()) / max(
-                state.prev_grad_norm_last, 1e-300)
-        records: list[Record] = []
-        for c, m in enumerate(ids):
-            records.append((rnd, str(int(m)), "train_loss", float(results.data_loss[c])))
+            g["grad_norm_jump"] = scalars[2] / max(state.prev_grad_norm_last, 1e-300)
+        records: list[Record] = [(rnd, str(int(m)), "train_loss", v)
+                                 for m, v in zip(ids, scalars[4:])]
         plateau = state.plateau
         if self._multipliers is not None and t.schedule.kind == "plateau":
             plateau = dataclasses.replace(plateau or PlateauState())
             if self.x_val is None:  # with a validation split it observes val_loss instead
                 plateau.observe(g["train_loss"], t.schedule)
         new_state = FedState(rnd, new_params, state.client_state, state.server_state,
-                             float(results.grad_norm_last.mean()), plateau)
+                             scalars[3], plateau)
         g["lr"] = work.lr
         return new_state, (rnd, g, records, update.metrics)
 

@@ -67,6 +67,30 @@ def _loss_hit(logits: torch.Tensor, y: torch.Tensor, text: bool
     return lv.double(), hit
 
 
+EVAL_MODELS_PER_PASS = 16
+"""Models per compiled evaluation pass (:func:`evaluate_stacked` with ``compiled=True``): the
+models of a group go through in passes of this many (the last one padded by repeating a model),
+so every pass has one shape and the forward compiles once."""
+
+_COMPILED_EVAL: dict[tuple, Callable] = {}
+
+
+def _compiled_eval(model: torch.nn.Module, names: frozenset[str]) -> Callable:
+    """``torch.compile`` of the stacked forward of ``model`` with ``names`` stacked (one per
+    model and set of names; a new shape recompiles)."""
+    from real_data.engines.stacked import stacked_forward
+
+    key = (id(model), names)
+    if key not in _COMPILED_EVAL:
+        while len(_COMPILED_EVAL) >= 8:
+            _COMPILED_EVAL.pop(next(iter(_COMPILED_EVAL)))
+
+        def forward(params, xb, r: int):
+            return stacked_forward(model, params, names, xb.unsqueeze(0).expand(r, *xb.shape))
+        _COMPILED_EVAL[key] = torch.compile(forward, dynamic=False)
+    return _COMPILED_EVAL[key]
+
+
 @torch.no_grad()
 def evaluate_stacked(
     model: torch.nn.Module,
@@ -75,21 +99,48 @@ def evaluate_stacked(
     y: torch.Tensor,
     batch_size: int,
     autocast: torch.dtype | None = None,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`evaluate` of R models at once: ``params`` holds every parameter as ``(R, ...)``
     (stacked runs' global models), each model sees every test sample; returns ``(R, N)``
     float64 per-sample loss and accuracy. One stacked forward per minibatch of ``batch_size``
     samples per model (at most 65535 rows in all, the attention kernel's grid) replaces R
-    forwards."""
+    forwards.
+
+    ``compiled``: the forward is ``torch.compile``d and takes the models in passes of
+    :data:`EVAL_MODELS_PER_PASS` and the samples in equal minibatches (the last pass and the
+    last minibatch padded, their padding dropped), so one compiled shape serves every call."""
     from real_data.engines.stacked import stacked_forward
 
     r = next(iter(params.values())).shape[0]
-    step = max(1, min(batch_size, 65535 // r))
     names = frozenset(params)
-    return _in_minibatches(
-        x, y, step, autocast,
-        lambda xb: stacked_forward(model, params, names, xb.unsqueeze(0).expand(r, *xb.shape)),
-        lambda yb: yb.unsqueeze(0).expand(r, *yb.shape))
+    if not compiled:
+        step = max(1, min(batch_size, 65535 // r))
+        return _in_minibatches(
+            x, y, step, autocast,
+            lambda xb: stacked_forward(model, params, names,
+                                       xb.unsqueeze(0).expand(r, *xb.shape)),
+            lambda yb: yb.unsqueeze(0).expand(r, *yb.shape))
+    per = EVAL_MODELS_PER_PASS
+    step = max(1, min(batch_size, 65535 // per, len(x)))
+    fwd = _compiled_eval(model, names)
+    losses, hits = [], []
+    for a in range(0, r, per):
+        rows = torch.arange(a, a + per, device=x.device).clamp(max=r - 1)
+        chunk = {n: t[rows] for n, t in params.items()}
+        real = min(per, r - a)
+
+        def logits_of(xb, chunk=chunk, real=real):
+            n = len(xb)
+            if n < step:  # the last minibatch: padded to the compiled shape
+                xb = torch.cat([xb, xb[:1].expand(step - n, *xb.shape[1:])])
+            return fwd(chunk, xb, per)[:real, :n]
+
+        lv, hit = _in_minibatches(x, y, step, autocast, logits_of,
+                                  lambda yb, real=real: yb.unsqueeze(0).expand(real, *yb.shape))
+        losses.append(lv)
+        hits.append(hit)
+    return torch.cat(losses), torch.cat(hits)
 
 
 def worst_fraction_mean(values: np.ndarray, fraction: float = 0.1) -> float:
@@ -109,14 +160,25 @@ def update_dispersion(
     global_params: dict[str, torch.Tensor],
     client_params: dict[str, torch.Tensor],
     weights: torch.Tensor,
+    chunk_numbers: int = 1 << 26,
 ) -> tuple[float, float]:
-    """(sqrt(sum_m p_m ||Delta_m - Delta||^2), ||Delta||) over the trained parameters."""
+    """(sqrt(sum_m p_m ||Delta_m - Delta||^2), ||Delta||) over the trained parameters.
+
+    The parameters go into ``(C, P)`` float64 buffers of at most ``chunk_numbers`` numbers
+    (512 MiB; a concatenation each), so the cost is a handful of kernels per chunk and one
+    host sync, whatever the number of parameters."""
     p = weights.double()
     sq = torch.zeros(len(p), dtype=torch.float64, device=p.device)
     mean_sq = torch.zeros((), dtype=torch.float64, device=p.device)
-    for n, y in client_params.items():
-        d = (y - global_params[n].unsqueeze(0)).double().flatten(1)  # (C, P_n)
-        mean = (p.unsqueeze(1) * d).sum(0)
+    names = list(client_params)
+    while names:
+        take, size = [], 0
+        while names and (not take or size + client_params[names[0]].numel() <= chunk_numbers):
+            size += client_params[names[0]].numel()
+            take.append(names.pop(0))
+        d = torch.cat([(client_params[n].flatten(1) - global_params[n].reshape(1, -1)).double()
+                       for n in take], dim=1)  # (C, P_chunk)
+        mean = p @ d
         sq += (d - mean).pow(2).sum(1)
         mean_sq += mean.pow(2).sum()
     both = torch.stack([(p * sq).sum(), mean_sq]).sqrt().tolist()  # one sync
@@ -130,10 +192,9 @@ def relative_change(
     names = list(names)
     if not names:
         return 0.0
-    sums = torch.stack([torch.stack([(new[n].double() - old[n].double()).pow(2).sum(),
-                                     old[n].double().pow(2).sum()]) for n in names])
-    pairs = sums.cpu().tolist()  # one sync; then summed in name order
-    num, den = sum(p[0] for p in pairs), sum(p[1] for p in pairs)
+    a = torch.cat([old[n].double().flatten() for n in names])
+    b = torch.cat([new[n].double().flatten() for n in names])
+    num, den = torch.stack([(b - a).pow(2).sum(), a.pow(2).sum()]).tolist()  # one sync
     return float(np.sqrt(num / den)) if den > 0 else float(np.sqrt(num))
 
 

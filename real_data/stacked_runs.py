@@ -97,14 +97,36 @@ def stack_key(cfg: Config) -> tuple:
             t.weight_decay, t.clip_grad_norm)
 
 
+COMPILE_PAYS_RUN_ROUNDS = 2000
+"""Run-rounds from which a CUDA group of ``train.engine=vectorized`` runs compiles its engine
+(``compile="auto"``): on an H200 the compiled engine saves about 23 ms per run-round of the
+study's Fashion-MNIST ViT (45-run group: 37 ms eager, 14 ms compiled) and compiling costs
+about 40 s (docs/bench/NOTES.md, the stacking rows)."""
+
+
+def _run_rounds(members: list[_Member]) -> int:
+    """Run-rounds a group still trains: its runs' remaining rounds and their branches'."""
+    total = 0
+    for m in members:
+        if m.running:
+            r = m.fed.cfg.train.rounds
+            total += r - m.prep.state.round + sum((r - t0) * len(bs)
+                                                  for t0, bs in m.branches.items())
+    return total
+
+
 def run_group(requests: list[RunRequest], dataset=None, device: torch.device | None = None,
               log: Callable[[str], None] = print,
               on_round_end: RoundHook | None = None,
-              on_error: Callable[[object, Exception], None] | None = None
-              ) -> list[tuple[object, RunResult]]:
+              on_error: Callable[[object, Exception], None] | None = None,
+              compile: str = "auto") -> list[tuple[object, RunResult]]:
     """Train the runs of ``requests`` (and their branches) as one stacked group.
 
     ``dataset``: loaded once by the caller and shared by every run (one copy on the device).
+    ``compile``: ``"auto"`` compiles the stacked engine (``torch.compile``) for a CUDA group
+    of ``train.engine=vectorized`` runs with at least :data:`COMPILE_PAYS_RUN_ROUNDS`
+    run-rounds to train, where the compilation pays for itself; ``"always"`` and ``"never"``
+    decide it regardless (``train.engine=vectorized_compiled`` always compiles).
     ``on_round_end(round, run_dir)``: as in :func:`~real_data.runs.start_run`, for every run.
     ``on_error(label, exception)``: a run whose preparation, server update or files fail is
     reported here and leaves the group while the others go on (without it, the error
@@ -124,6 +146,8 @@ def run_group(requests: list[RunRequest], dataset=None, device: torch.device | N
             on_error(label, exc)
             return FAILED
 
+    if compile not in ("auto", "always", "never"):
+        raise ValueError(f"compile={compile!r}: one of 'auto', 'always', 'never'")
     members, now = [], []
     for r in requests:
         got = guarded(r.label if r.label is not None else r.run_dir, _member, r, dataset,
@@ -137,9 +161,15 @@ def run_group(requests: list[RunRequest], dataset=None, device: torch.device | N
     pad = sum(_clients(m) * (1 + sum(len(v) for v in m.branches.values()))
               for m in members if m.running)
     engine = members[0].fed.cfg.train.engine if members else "vectorized"
-    stacked = {"vectorized": fast.train_fast,
-               "vectorized_compiled": lambda job: fast.train_fast(job, compile=True)}.get(engine)
     cuda = any(m.fed.device.type == "cuda" for m in members)
+    if engine == "vectorized" and compile == "auto":
+        compiled = cuda and _run_rounds(members) >= COMPILE_PAYS_RUN_ROUNDS
+    else:
+        compiled = engine == "vectorized_compiled" or compile == "always"
+    stacked = (None if engine == "sequential" else
+               (lambda job: fast.train_fast(job, compile=True)) if compiled else fast.train_fast)
+    if compiled:
+        log(f"stacked group of {len(members)} runs: compiled engine")
     for m in members:
         if m.fed.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(m.fed.device)
@@ -177,7 +207,7 @@ def run_group(requests: list[RunRequest], dataset=None, device: torch.device | N
             updated.append((m, rnd, work, state, pending, time.perf_counter() - t_run))
         t_eval = time.perf_counter()
         evaluated = evaluate_group([(m.fed, state) for m, rnd, _, state, _, _ in updated
-                                    if m.fed.evaluates(rnd)])
+                                    if m.fed.evaluates(rnd)], compiled and cuda)
         share = (time.perf_counter() - t_eval) / max(len(evaluated), 1)
         for m, rnd, work, state, pending, t_own in updated:
             t_run = time.perf_counter()
@@ -203,11 +233,13 @@ def run_group(requests: list[RunRequest], dataset=None, device: torch.device | N
     return results
 
 
-def evaluate_group(items: list[tuple]) -> dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+def evaluate_group(items: list[tuple], compiled: bool = False
+                   ) -> dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     """Per-sample loss and accuracy of several runs' global models on each split they evaluate
     (:meth:`~real_data.federation.Federation.eval_splits`), one stacked forward per minibatch
     for the runs that share a model, the split's samples and the plain forward
-    (``{id(federation): {split: (loss, hit)}}``); the rest is left to each run's own
+    (``{id(federation): {split: (loss, hit)}}``; ``compiled``: the forward compiled, see
+    :func:`~real_data.metrics.evaluate_stacked`); the rest is left to each run's own
     evaluation."""
     from real_data.algorithms.base import Algorithm
     from real_data.engines.stacked import supports
@@ -229,7 +261,7 @@ def evaluate_group(items: list[tuple]) -> dict[int, dict[str, tuple[torch.Tensor
         params = {n: torch.stack([m[1].global_params[n] for m in members])
                   for n in members[0][1].global_params}
         loss, hit = evaluate_stacked(fed0.model, params, x, y, fed0.cfg.eval.batch_size,
-                                     fed0.autocast)
+                                     fed0.autocast, compiled=compiled)
         for i, (fed, *_rest) in enumerate(members):
             out.setdefault(id(fed), {})[key[0]] = (loss[i], hit[i])
     return out

@@ -9,6 +9,7 @@ from real_data.algorithms.base import (
     RoundPlan,
     ServerUpdate,
     weighted_average,
+    weighted_averages,
 )
 from real_data.algorithms.fedavg import FedAvg, FedAvgParams
 from real_data.algorithms.fedfrozen import FedFrozen, FedFrozenParams, FedFrozenState
@@ -49,6 +50,7 @@ __all__ = [
     "ServerUpdate",
     "get_algorithm",
     "weighted_average",
+    "weighted_averages",
 ]
 
 

@@ -236,8 +236,7 @@ class Algorithm:
         """New global parameters: the p-weighted average of the uploaded parameters; no
         extra metrics."""
         new = dict(global_params)
-        for n in plan.upload:
-            new[n] = weighted_average(results.params[n], weights)
+        new.update(weighted_averages({n: results.params[n] for n in plan.upload}, weights))
         return ServerUpdate(new)
 
     def eval_params(
@@ -274,6 +273,33 @@ def weighted_average(stacked: torch.Tensor, weights: torch.Tensor) -> torch.Tens
     """sum_m p_m x_m over the leading client axis (``weights`` sum to one)."""
     w = weights.to(stacked.dtype).reshape(-1, *([1] * (stacked.dim() - 1)))
     return (w * stacked).sum(dim=0)
+
+
+def weighted_averages(stacked: dict[str, torch.Tensor], weights: torch.Tensor,
+                      chunk_numbers: int = 1 << 26) -> dict[str, torch.Tensor]:
+    """:func:`weighted_average` of every tensor of ``stacked`` (each ``(C, *shape)``): the
+    tensors of one dtype and device are concatenated into ``(C, P)`` buffers of at most
+    ``chunk_numbers`` numbers and averaged in one pass each, so a model's many small parameters
+    cost a few kernels, not a few per parameter. Each result is a view of its chunk's average."""
+    out: dict[str, torch.Tensor] = {}
+    groups: dict[tuple, list[str]] = {}
+    for n, t in stacked.items():
+        groups.setdefault((t.dtype, t.device), []).append(n)
+    for names in groups.values():
+        while names:
+            take, size = [], 0
+            while names and (not take or size + stacked[names[0]].numel() <= chunk_numbers):
+                size += stacked[names[0]].numel()
+                take.append(names.pop(0))
+            if len(take) == 1:
+                out[take[0]] = weighted_average(stacked[take[0]], weights)
+                continue
+            flat = weighted_average(torch.cat([stacked[n].flatten(1) for n in take], dim=1),
+                                    weights)
+            sizes = [stacked[n][0].numel() for n in take]
+            for n, part in zip(take, torch.split(flat, sizes)):
+                out[n] = part.view(stacked[n].shape[1:])
+    return out
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -49,7 +49,7 @@ def save_partition(partition: Partition, path: str | os.PathLike) -> Path:
     if partition.val:
         val["val"], val["val_offsets"] = _pack(partition.val)
     with atomic_path(path) as part:
-        np.savez_compressed(part, train=train, train_offsets=train_offsets, test=test,
+        np.savez(part, train=train, train_offsets=train_offsets, test=test,
                             test_offsets=test_offsets, meta=np.array(meta_json), **val)
     readable = {**meta, "train_sizes": partition.sizes.tolist(),
                 "test_sizes": [len(t) for t in partition.test]}

@@ -21,7 +21,7 @@ import pytest
 import torch
 from conftest import REPO, TINY, metric_rows, tiny_config
 
-from real_data.runs import load_data, make_partition_for, start_run
+from real_data.runs import load_data, make_partition_for, prepare_start, start_run
 from real_data.stacked_runs import Branch, RunRequest, run_group
 from real_data.stacking import stack_jobs, stackable
 
@@ -79,9 +79,9 @@ def test_stacked_group_equals_runs_trained_alone(tmp_path, monkeypatch):
     evals = []
     evaluate_stacked = metrics.evaluate_stacked
     monkeypatch.setattr(metrics, "evaluate_stacked",
-                        lambda model, params, x, *a: evals.append(
+                        lambda model, params, x, *a, **kw: evals.append(
                             (len(next(iter(params.values()))), len(x)))
-                        or evaluate_stacked(model, params, x, *a))
+                        or evaluate_stacked(model, params, x, *a, **kw))
     dataset = load_data(_cfg("fedavg"))
     calls.clear()
     results = run_group(_requests(tmp_path / "group"), dataset=dataset, log=lambda s: None)
@@ -105,6 +105,46 @@ def test_stacked_group_equals_runs_trained_alone(tmp_path, monkeypatch):
     lrs = {k[0]: v for k, v in metric_rows(tmp_path / "group" / "fedavg_lr" / "metrics.csv").items()
            if k[2] == "lr"}
     assert lrs == {"1": 0.03, "2": 0.03, "3": 0.015, "4": 0.015}
+
+
+@pytest.mark.parametrize("models", [1, 3, 5])
+def test_compiled_evaluation_passes_equal_one_pass(tmp_path, monkeypatch, models):
+    """The compiled evaluation's passes (models in fixed-size passes, the last padded; samples
+    in equal minibatches, the last padded) give what one eager pass gives, in float64; the
+    forward is the eager one here, so the test checks the padding and the slicing."""
+    from real_data import metrics
+    from real_data.engines.stacked import stacked_forward
+
+    cfg = _cfg("fedavg")
+    dataset = load_data(cfg)
+    fed = prepare_start(cfg, out=tmp_path / "run", dataset=dataset).fed
+    g = torch.Generator().manual_seed(models)
+    params = {n: p.detach().unsqueeze(0).repeat(models, *[1] * p.dim())
+              + 0.05 * torch.randn((models, *p.shape), generator=g, dtype=p.dtype)
+              for n, p in fed.model.named_parameters()}
+    shapes = []
+
+    def eager(model, names):
+        def forward(ps, xb, r):
+            shapes.append((len(next(iter(ps.values()))), len(xb), r))
+            return stacked_forward(model, ps, names, xb.unsqueeze(0).expand(r, *xb.shape))
+        return forward
+
+    monkeypatch.setattr(metrics, "_compiled_eval", eager)
+    monkeypatch.setattr(metrics, "EVAL_MODELS_PER_PASS", 2)
+    x, y = fed.x_test[:23], fed.y_test[:23]
+    ref = metrics.evaluate_stacked(fed.model, params, x, y, 10)
+    got = metrics.evaluate_stacked(fed.model, params, x, y, 10, compiled=True)
+    assert got[0].shape == (models, 23)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got[1], ref[1], rtol=0, atol=0)
+    assert set(shapes) == {(2, 10, 2)}  # one shape: padded models and samples
+    assert len(shapes) == 3 * -(-models // 2)
+
+
+def test_group_compile_choice_is_checked():
+    with pytest.raises(ValueError, match="compile='sometimes'"):
+        run_group([], compile="sometimes")
 
 
 def test_stack_jobs_masks_and_rates():
