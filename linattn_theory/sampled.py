@@ -24,10 +24,11 @@ import numpy as np
 
 from linattn_theory.dynamics import InitialPoint
 from linattn_theory.errors import ParameterError, require
+from linattn_theory.freeze_rules import make_rule
 from linattn_theory.probe import ProbeChoice, ProbeSelector
 from linattn_theory.problem import Problem
 
-__all__ = ["SampledClients", "sample_clients", "ProbeRun", "probe_run"]
+__all__ = ["SampledClients", "sample_clients", "ProbeRun", "probe_run", "RuleRun", "rule_run"]
 
 
 @dataclass(frozen=True)
@@ -236,3 +237,79 @@ def probe_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int
 def _val_loss_from(problem, data, val_feats, value) -> float:
     res = val_feats @ value - data.val_target
     return float(problem.weights @ (0.5 * np.mean(np.sum(res * res, axis=-1), axis=1)))
+
+
+@dataclass(frozen=True)
+class RuleRun:
+    """Online freeze rules on one finite-sample warm-up trajectory.
+
+    Attributes
+    ----------
+    warmup_rounds : dict
+        Each rule's T0 (T where it never fired).
+    signals : dict
+        Each rule's score per observed round (NaN where it had none).
+    rounds_run : int
+        Warm-up rounds computed (the run stops once every rule has fired).
+    """
+
+    warmup_rounds: dict
+    signals: dict
+    rounds_run: int
+
+
+def rule_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int,
+             total_rounds: int, rules, seed: int = 0, batch_size: int = 256,
+             samples_per_client: int = 4096, validation_fraction: float = 0.25,
+             probe_rows: int = 16) -> RuleRun:
+    """Run finite-sample FedAvg (the data and minibatch draws of :func:`probe_run` for the same
+    seed) and feed every rule of ``rules`` (names, see
+    :func:`linattn_theory.freeze_rules.parse_rule`) the signals of each round: the kernel's
+    update Delta M (``delta``), the value block's (``other_deltas``), the lr, the attention
+    scores x_q^T M x_j of a fixed probe batch of ``probe_rows`` sequences (rows: queries,
+    keys: their context tokens; drawn once from the clients' input distributions in turn) and
+    the validation objective as ``val_score`` = -F_val / F_val(start). A rule's T0 is the
+    round after which it fired; every rule sees the same trajectory, and a rule that fires
+    does not change it (what follows a freeze is the frozen stage, evaluated elsewhere)."""
+    require(isinstance(total_rounds, int | np.integer) and total_rounds >= 1, "total_rounds",
+            total_rounds, "an integer T >= 1")
+    t_total = int(total_rounds)
+    made = {str(r): make_rule(str(r), t_total) for r in rules}
+    data_rng, draw_rng = (np.random.default_rng(s)
+                          for s in np.random.SeedSequence(seed).spawn(2))
+    data = sample_clients(problem, samples_per_client, validation_fraction, data_rng)
+    c, n_train = problem.num_clients, data.query.shape[1]
+    bsz = min(batch_size, n_train)
+    probe_rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(4)[3])
+    chol = np.linalg.cholesky(problem.covariances)
+    owner = np.arange(probe_rows) % c
+    z = probe_rng.standard_normal((probe_rows, problem.context_length + 1, problem.dim))
+    x = np.einsum("rnd,red->rne", z, chol[owner])            # rows x^T per sequence
+    probe_query, probe_context = x[:, 0], x[:, 1:]
+    kernel, value = start.kernel.astype(np.float64), start.value.astype(np.float64)
+    first = _validation_loss(problem, data, kernel, value)
+    scale = abs(first) if first != 0 else 1.0
+    rounds = 0
+    with np.errstate(over="raise", invalid="raise"):
+        try:
+            for t in range(1, t_total):
+                if all(r.fired_at is not None for r in made.values()):
+                    break
+                draws = [draw_rng.integers(0, n_train, size=(c, bsz))
+                         for _ in range(local_steps)]
+                new_kernel, new_value = _warmup_round(problem, data, kernel, value, lr, draws)
+                signals = {"delta": new_kernel - kernel, "lr": lr,
+                           "other_deltas": {"value": new_value - value},
+                           "scores": np.einsum("rd,de,rne->rn", probe_query, new_kernel,
+                                               probe_context)}
+                kernel, value = new_kernel, new_value
+                signals["val_score"] = -_validation_loss(problem, data, kernel, value) / scale
+                rounds = t
+                for r in made.values():
+                    r.observe(t, **{k: signals[k] for k in r.needs})
+        except FloatingPointError:
+            raise ParameterError(
+                f"lr={lr:g} with local_steps={local_steps}: the finite-sample run "
+                f"(minibatch SGD, B={bsz}) diverged in round {rounds + 1}; lower lr") from None
+    return RuleRun({k: r.warmup_rounds for k, r in made.items()},
+                   {k: list(r.signal) for k, r in made.items()}, rounds)

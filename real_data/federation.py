@@ -7,6 +7,7 @@ and returns the round's metric records. Nothing here writes files (see :mod:`rea
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -149,6 +150,7 @@ class Federation:
                                self.optimizer, seed=cfg.role_seed("training"),
                                model=dataclasses.asdict(mcfg))
         self.algorithm = get_algorithm(cfg.algorithm.name)(cfg.algorithm.params, ctx)
+        self._check_rule_inputs()
         if t.init_from is not None and getattr(cfg.algorithm.params, "init", None) == \
                 "pretrained":
             from linattn.errors import ConfigError
@@ -319,7 +321,41 @@ class Federation:
                 g.update({"local_ft_acc_mean": float(ft.mean()),
                           "local_ft_acc_micro": float((ft * sizes).sum() / max(sizes.sum(), 1))})
         g.update(extra)
+        g.update(self.algorithm.observe_round(rnd, g, new_state,
+                                              lambda: self._attention_probe(new_state)))
         return records + [(rnd, "global", k, v) for k, v in sorted(g.items())]
+
+    def _check_rule_inputs(self) -> None:
+        """A warm-up rule's inputs exist: the validation split, a probe batch within it, and
+        attention layers (ConfigError naming the key otherwise)."""
+        from linattn.errors import ConfigError
+        from real_data.models.layers import Attention
+
+        algo = self.algorithm
+        spec = getattr(algo.params, "warmup", None)
+        if getattr(algo, "needs_validation", False) and self.x_val is None:
+            raise ConfigError(f"algorithm.warmup={spec} reads the validation split; set "
+                              "partition.validation_fraction (e.g. 0.1)")
+        if getattr(algo, "needs_attention", False):
+            if not any(isinstance(m, Attention) for m in self.model.modules()):
+                raise ConfigError(f"algorithm.warmup={spec} reads attention rows, and "
+                                  f"model.name={self.cfg.model.name} has no attention layers")
+            batch = algo.params.probe_batch
+            if batch > len(self.x_val):
+                raise ConfigError(f"algorithm.probe_batch={batch} exceeds the validation "
+                                  f"split's {len(self.x_val)} samples; lower it or raise "
+                                  "partition.validation_fraction")
+
+    def _attention_probe(self, state: FedState):
+        """The global model's attention rows on the first ``algorithm.probe_batch`` pooled
+        validation inputs (a warm-up rule's probe batch)."""
+        from real_data.models.layers import attention_scores
+
+        batch = self.x_val[:self.algorithm.params.probe_batch]
+        ctx = (torch.autocast(self.device.type, dtype=self.autocast) if self.autocast
+               else contextlib.nullcontext())
+        with ctx:
+            return attention_scores(self.model, state.global_params, batch)
 
     def train_clients(self, state: FedState, rnd: int, plan, ids: np.ndarray):
         """Local training of the clients ``ids`` in round ``rnd`` here (-> ClientResults)."""

@@ -239,6 +239,15 @@ class Algorithm:
         new.update(weighted_averages({n: results.params[n] for n in plan.upload}, weights))
         return ServerUpdate(new)
 
+    def observe_round(self, rnd: int, metrics: dict, state, attention_scores) -> dict:
+        """After round ``rnd``'s evaluation: ``metrics`` holds the round's global metrics so
+        far (``val_acc`` where the round evaluated a validation split), ``state`` the new
+        :class:`~real_data.federation.FedState`, ``attention_scores()`` the global model's
+        attention rows on the server's probe batch. Returns metrics to add to the round's
+        rows; the server state may change in place (FedFrozen's online freeze rules).
+        Default: nothing."""
+        return {}
+
     def eval_params(
         self,
         client_id: int,

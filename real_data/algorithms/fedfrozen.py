@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
+import torch
 
 from linattn.errors import ConfigError, UserError
+from linattn_theory.errors import ParameterError
+from linattn_theory.freeze_rules import RULES, FreezeRule, make_rule, parse_rule
 from linattn_theory.warmup import WarmupConstants, recommend_warmup
 from real_data.algorithms.base import Algorithm, RoundPlan, ServerUpdate
 from real_data.algorithms.warmup_probe import estimate_constants, round_statistics
-from real_data.models.groups import names_of_kind
+from real_data.models.groups import GROUP_KINDS, names_of_kind
 
 
 @dataclass(frozen=True)
@@ -21,15 +25,24 @@ class FedFrozenParams:
     warmup_rounds : int or None
         T0: rounds 1..T0 are FedAvg on the full model; from round T0 + 1 the query/key
         projections stay at their round-T0 global values. Required when ``warmup="fixed"``.
-    warmup : {"fixed", "auto"}
-        ``auto``: T0 is recommended by ``linattn_theory.warmup.recommend_warmup`` from
-        constants measured during the first ``probe_rounds`` warm-up rounds
-        (:mod:`real_data.algorithms.warmup_probe` documents the estimators); T0 >= probe_rounds.
+    warmup : str
+        ``fixed`` (T0 = ``warmup_rounds``), ``auto``: T0 is recommended by
+        ``linattn_theory.warmup.recommend_warmup`` from constants measured during the first
+        ``probe_rounds`` warm-up rounds (:mod:`real_data.algorithms.warmup_probe` documents the
+        estimators; T0 >= probe_rounds), or an online freeze rule of
+        :mod:`linattn_theory.freeze_rules` (``perturbation``, ``norm_change``,
+        ``norm_change_median``, ``kernel_stability``, ``plateau``, ``fraction=f``): the rule
+        watches the warm-up rounds and freezes after the round it fires (never: T0 = T).
+        ``plateau`` and ``kernel_stability`` need a validation split
+        (``partition.validation_fraction``); ``plateau`` observes the rounds that evaluate.
     train : {"all_but_qk", "v"}
         What trains after T0: everything except Q/K, or the value projections only (the
         restricted value-block problem of the theory).
     probe_rounds : int
         Number of warm-up rounds measured for ``warmup="auto"`` (at least 2).
+    probe_batch : int
+        Validation inputs (the first of the pooled validation split) on which
+        ``warmup=kernel_stability`` reads the attention rows each round (default 64).
     freeze : {"qk", "v_attn_out"}
         The block frozen after T0: the attention kernel (Q/K, FedFrozen), or the equal-size
         control that freezes the value and attention-output projections instead (as many
@@ -40,12 +53,27 @@ class FedFrozenParams:
     """
 
     warmup_rounds: int | None = None
-    warmup: Literal["fixed", "auto"] = "fixed"
+    warmup: str = "fixed"
     train: Literal["all_but_qk", "v"] = "all_but_qk"
     probe_rounds: int = 5
     freeze: Literal["qk", "v_attn_out"] = "qk"
+    probe_batch: int = 64
+
+    @property
+    def rule(self) -> str | None:
+        """The online freeze rule's spec, or None for ``fixed`` and ``auto``."""
+        return None if self.warmup in ("fixed", "auto") else self.warmup
 
     def __post_init__(self) -> None:
+        if self.rule is not None:
+            try:
+                parse_rule(self.rule)
+            except ParameterError as exc:
+                raise ConfigError(f"algorithm.warmup={self.warmup!r}: one of fixed, auto, "
+                                  f"{', '.join(RULES[:-1])}, fraction=f with f in [0, 1] "
+                                  f"({exc})") from None
+        if not 1 <= self.probe_batch <= 4096:
+            raise ConfigError(f"algorithm.probe_batch={self.probe_batch} must be in 1..4096")
         if self.warmup == "fixed" and self.warmup_rounds is None:
             raise ConfigError("algorithm.warmup_rounds is required when algorithm.warmup=fixed "
                               "(or set algorithm.warmup=auto)")
@@ -80,6 +108,9 @@ class FedFrozenState:
     warmup_rounds: int | None = None
     probe: list[dict] = field(default_factory=list)
     constants: dict | None = None
+    rule: FreezeRule | None = None
+    pending: dict | None = None
+    rule_seconds: float = 0.0
 
 
 class FedFrozen(Algorithm):
@@ -113,8 +144,22 @@ class FedFrozen(Algorithm):
 
     def init_server_state(self, global_params) -> FedFrozenState:
         fixed = self.params.warmup == "fixed"
-        return FedFrozenState(np.zeros(self.ctx.num_clients, dtype=bool),
-                              self.params.warmup_rounds if fixed else None)
+        state = FedFrozenState(np.zeros(self.ctx.num_clients, dtype=bool),
+                               self.params.warmup_rounds if fixed else None)
+        if self.params.rule is not None:
+            state.rule = make_rule(self.params.rule, self.ctx.total_rounds)
+            state.warmup_rounds = state.rule.fired_at  # fraction=0: T0 = 0 before round 1
+        return state
+
+    @property
+    def needs_validation(self) -> bool:
+        """True when the warm-up rule reads the validation split."""
+        rule = self.params.rule
+        return rule is not None and rule.partition("=")[0] in ("plateau", "kernel_stability")
+
+    @property
+    def needs_attention(self) -> bool:
+        return self.params.rule == "kernel_stability"
 
     def _frozen(self, rnd: int, server_state: FedFrozenState) -> bool:
         # a fixed T0 comes from the config (so a T0 sweep can branch a warm-up checkpoint)
@@ -145,7 +190,48 @@ class FedFrozen(Algorithm):
             metrics = self._probe(rnd, global_params, results, weights, server_state)
         update = super().server_update(rnd, plan, client_ids, global_params, results, weights,
                                        server_state)
+        rule = server_state.rule
+        if plan.stage != "frozen" and rule is not None and rule.fired_at is None:
+            start = time.perf_counter()
+            new = update.params
+
+            def delta(names):
+                return torch.cat([(new[n] - global_params[n]).double().flatten()
+                                  for n in names]).cpu().numpy()
+            pending = {"delta": delta(self.qk)} if "delta" in rule.needs else {}
+            if "other_deltas" in rule.needs:
+                pending["other_deltas"] = {
+                    kind: delta(names) for kind in GROUP_KINDS
+                    if (names := [n for n in names_of_kind(self.ctx.groups, kind)
+                                  if n not in self.qk])}
+            server_state.pending = pending
+            server_state.rule_seconds += time.perf_counter() - start
         return ServerUpdate(update.params, metrics)
+
+    def observe_round(self, rnd, metrics, state, attention_scores) -> dict:
+        """Feed the warm-up rule this round's signals; when it fires, T0 = ``rnd``."""
+        ss = state.server_state
+        rule = ss.rule
+        if rule is None or rule.fired_at is not None or self._frozen(rnd, ss):
+            return {}
+        start = time.perf_counter()
+        signals = dict(ss.pending or {})
+        ss.pending = None
+        signals["lr"] = self.round_lr
+        if "val_score" in rule.needs:
+            if "val_acc" not in metrics:  # plateau: only the rounds that evaluate
+                return {}
+            signals["val_score"] = metrics["val_acc"]
+        if "scores" in rule.needs:
+            signals["scores"] = attention_scores().cpu().numpy()
+        fired = rule.observe(rnd, **{k: signals[k] for k in rule.needs})
+        if fired:
+            ss.warmup_rounds = rnd
+        ss.rule_seconds += time.perf_counter() - start
+        out = {"freeze_rule_fired": float(fired)}
+        if rule.signal and np.isfinite(rule.signal[-1]):
+            out["freeze_rule_signal"] = rule.signal[-1]
+        return out
 
     def _probe(self, rnd, global_params, results, weights,
                server_state: FedFrozenState) -> dict[str, float]:
@@ -173,12 +259,31 @@ class FedFrozen(Algorithm):
         return metrics
 
     def run_summary(self, server_state: FedFrozenState) -> dict:
+        rule = server_state.rule
+        if rule is not None:
+            return {"warmup": {
+                "rule": rule.name, "fired_at": "never" if rule.fired_at is None
+                else rule.fired_at, "warmup_rounds": rule.warmup_rounds,
+                "rule_seconds": server_state.rule_seconds,
+                "rule_state_bytes": _nbytes(rule._state)}}
         if server_state.constants is None:
             return {}
         return {"warmup": {"warmup_rounds": server_state.warmup_rounds,
                            "constants": server_state.constants}}
 
     def tag(self) -> str:
-        t0 = "auto" if self.params.warmup == "auto" else str(self.params.warmup_rounds)
+        t0 = (str(self.params.warmup_rounds) if self.params.warmup == "fixed"
+              else self.params.warmup)
         control = "" if self.params.freeze == "qk" else f"-freeze_{self.params.freeze}"
         return f"fedfrozen-{self.params.train}{control}-T0{t0}"
+
+
+def _nbytes(obj) -> int:
+    """Bytes of the numpy arrays in a rule's state (nested dicts and lists)."""
+    if isinstance(obj, np.ndarray):
+        return int(obj.nbytes)
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(_nbytes(v) for v in obj)
+    return 0

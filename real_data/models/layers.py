@@ -76,6 +76,47 @@ class Attention(nn.Module):
         return self.drop(self.out(y))
 
 
+@torch.no_grad()
+def attention_scores(model: nn.Module, params: dict[str, torch.Tensor],
+                     x: torch.Tensor) -> torch.Tensor:
+    """Every attention row of ``model`` on the batch ``x`` with ``params`` (a functional call):
+    ``(rows, keys)`` float32 scores, the rows of every layer, sample, head and query stacked.
+    Softmax attention gives the logits q k^T / sqrt(d_h) (-inf on causally masked keys), linear
+    attention its unnormalized weights phi(q) phi(k)^T; both order the keys as the attention
+    does. Raises ``ValueError`` for a model without :class:`Attention` modules."""
+    from torch.func import functional_call
+
+    modules = [m for m in model.modules() if isinstance(m, Attention)]
+    if not modules:
+        raise ValueError(f"{type(model).__name__} has no attention layers")
+    rows: list[torch.Tensor] = []
+
+    def capture(module: Attention, args) -> None:
+        (inp,) = args
+        b, n, d = inp.shape
+        h = module.heads
+        q = module.q(inp).view(b, n, h, d // h).transpose(1, 2).float()
+        k = module.k(inp).view(b, n, h, d // h).transpose(1, 2).float()
+        if module.kind == "softmax":
+            a = q @ k.transpose(-2, -1) / math.sqrt(d // h)
+            if module.causal:
+                mask = torch.ones(n, n, dtype=torch.bool, device=inp.device).triu(1)
+                a = a.masked_fill(mask, float("-inf"))
+        else:
+            a = linear_feature_map(q) @ linear_feature_map(k).transpose(-2, -1)
+            if module.causal:
+                a = a * torch.ones(n, n, dtype=a.dtype, device=inp.device).tril()
+        rows.append(a.reshape(-1, n))
+
+    handles = [m.register_forward_pre_hook(capture) for m in modules]
+    try:
+        functional_call(model, params, (x,))
+    finally:
+        for hd in handles:
+            hd.remove()
+    return torch.cat(rows)
+
+
 class MLP(nn.Module):
     """fc2(act(fc1(x))) with act = GELU or ReLU."""
 
