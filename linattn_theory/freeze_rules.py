@@ -24,9 +24,9 @@ criterion with the defaults below, the same in every setting:
   score is minus the loss divided by the first loss, so 0.001 is 0.1% of the starting loss).
 - ``fraction=f``: T0 = ceil(f T), the fixed-schedule reference (f = 1: never freeze).
 
-Every rule waits at least ``max(5, ceil(0.05 T))`` rounds (:func:`min_wait`) and may never
-fire, which means T0 = T (the run is FedAvg throughout). A rule that fires after observing
-round t freezes from round t + 1, so T0 = t.
+Every rule but the fixed ``fraction=f`` waits at least ``max(5, ceil(0.05 T))`` rounds
+(:func:`min_wait`), and every rule may never fire, which means T0 = T (the run is FedAvg
+throughout). A rule that fires after observing round t freezes from round t + 1, so T0 = t.
 """
 
 from __future__ import annotations

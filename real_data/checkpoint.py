@@ -44,7 +44,10 @@ def restore_rng_states(states: dict) -> None:
 
 def save_checkpoint(path: Path, state: FedState, extra: dict) -> None:
     """Write ``state`` and ``extra`` (elapsed time, config) atomically."""
-    payload = {"round": state.round, "global_params": state.global_params,
+    # each tensor its own storage: a parameter averaged in a chunk is a view of it (and a
+    # frozen one of an earlier round's), and torch.save writes a view's whole storage
+    payload = {"round": state.round,
+               "global_params": {n: t.clone() for n, t in state.global_params.items()},
                "client_state": state.client_state, "server_state": state.server_state,
                "prev_grad_norm_last": state.prev_grad_norm_last, "plateau": state.plateau,
                "rng": rng_states(),

@@ -347,11 +347,13 @@ class Federation:
                                   "partition.validation_fraction")
 
     def _attention_probe(self, state: FedState):
-        """The global model's attention rows on the first ``algorithm.probe_batch`` pooled
-        validation inputs (a warm-up rule's probe batch)."""
+        """The global model's attention rows on ``algorithm.probe_batch`` pooled validation
+        inputs evenly spaced over the split (a warm-up rule's probe batch)."""
         from real_data.models.layers import attention_scores
 
-        batch = self.x_val[:self.algorithm.params.probe_batch]
+        # spread over the pooled split (concatenated client by client): every client's inputs
+        n = self.algorithm.params.probe_batch
+        batch = self.x_val[torch.linspace(0, len(self.x_val) - 1, n).round().long()]
         ctx = (torch.autocast(self.device.type, dtype=self.autocast) if self.autocast
                else contextlib.nullcontext())
         with ctx:

@@ -160,12 +160,12 @@ def update_dispersion(
     global_params: dict[str, torch.Tensor],
     client_params: dict[str, torch.Tensor],
     weights: torch.Tensor,
-    chunk_numbers: int = 1 << 26,
+    chunk_numbers: int = 1 << 24,
 ) -> tuple[float, float]:
     """(sqrt(sum_m p_m ||Delta_m - Delta||^2), ||Delta||) over the trained parameters.
 
     The parameters go into ``(C, P)`` float64 buffers of at most ``chunk_numbers`` numbers
-    (512 MiB; a concatenation each), so the cost is a handful of kernels per chunk and one
+    (128 MiB; a concatenation each), so the cost is a handful of kernels per chunk and one
     host sync, whatever the number of parameters."""
     p = weights.double()
     sq = torch.zeros(len(p), dtype=torch.float64, device=p.device)

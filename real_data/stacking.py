@@ -10,12 +10,16 @@ already do, and the fast engine trains them together:
    client's gradient (and so its norm, clipping, weight decay and update) to its own run's set,
 3. each client steps with its own run's learning rate (a tensor, so a change of lr never
    recompiles or recaptures),
-4. the round's minibatch plans are concatenated (padded to the longest with idle steps).
+4. the round's minibatch plans are concatenated (padded to the longest with idle steps),
+5. a run whose algorithm adds a local term expressible per client (``local_terms``: FedProx's
+   proximal weight, SCAFFOLD's gradient offset c - c_m) or a step correction brings it as data:
+   per-client offsets, weights and corrections, zero for the other runs.
 
 In exact arithmetic each client computes what it computes in its own run: masked entries are
 exact zeros, and the only difference is the order of summation inside batched kernels. Jobs that
-the fast path cannot stack (a regularizer or forward of the algorithm's own, per-client state,
-a model without the stacked forward, dropout) are trained one by one in the same round.
+the fast path cannot stack (a forward of the algorithm's own, a regularizer or per-client state
+not expressed as local terms, a model without the stacked forward, dropout) are trained one by
+one in the same round.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 
 from real_data.algorithms.base import Algorithm
 from real_data.engines import fast
-from real_data.engines.base import Batches, ClientResults, LocalJob
+from real_data.engines.base import Batches, ClientResults, LocalJob, step_correction
 
 
 def stackable(job: LocalJob) -> bool:
@@ -38,9 +42,12 @@ def stackable(job: LocalJob) -> bool:
     the stacked forward; dropout must be off (its random stream is per engine call).
     """
     algo = type(job.algorithm)
-    return (algo.forward is Algorithm.forward and algo.regularizer is Algorithm.regularizer
-            and not job.client_state and not job.overrides and job.lr is None
-            and not job.train_mask and fast.supports(job) and not job.model.training)
+    termed = hasattr(algo, "local_terms")  # its regularizer as stacked terms (FedProx, SCAFFOLD)
+    return (algo.forward is Algorithm.forward
+            and (algo.regularizer is Algorithm.regularizer or termed)
+            and (not job.client_state or termed) and not job.overrides and job.lr is None
+            and not job.train_mask and not job.stacked_terms and fast.supports(job)
+            and not job.model.training)
 
 
 def compatible(a: LocalJob, b: LocalJob) -> bool:
@@ -84,6 +91,7 @@ def stack_jobs(jobs: list[LocalJob], pad_clients: int | None = None) -> LocalJob
             mask[n] = on.to(first.x.device)
     lr = torch.cat([torch.full((len(j.client_ids),), float(j.optimizer.lr),
                                dtype=torch.float64) for j in jobs]).to(first.x.device)
+    terms = _local_terms(jobs, trainable)
     steps = max(int(j.batches.idx.shape[1]) for j in jobs)
     padded = [_pad_steps(j.batches, steps) for j in jobs]
     batches = Batches(torch.cat([b.idx for b in padded]), torch.cat([b.active for b in padded]),
@@ -94,7 +102,46 @@ def stack_jobs(jobs: list[LocalJob], pad_clients: int | None = None) -> LocalJob
                     client_ids=np.concatenate([j.client_ids for j in jobs]),
                     dropout_seed=first.dropout_seed, overrides=overrides,
                     autocast=first.autocast, lr=lr, train_mask=mask,
-                    pad_clients=pad_clients)
+                    pad_clients=pad_clients, **terms)
+
+
+def _local_terms(jobs: list[LocalJob], trainable: tuple[str, ...]) -> dict:
+    """The stacked job's ``grad_offset``, ``prox_mu`` and ``correction`` (each run's own, zero
+    for the runs and parameters without one) and ``stacked_terms``; none when no run of
+    ``jobs`` has a local term or a step correction."""
+    offsets, mus, corrections = [], [], []
+    for j in jobs:
+        fn = getattr(j.algorithm, "local_terms", None)
+        off, mu = (fn(j.trainable, j.client_state, j.server_state) if fn is not None
+                   else (None, 0.0))
+        offsets.append(off)
+        mus.append(float(mu))
+        corrections.append(step_correction(j))
+    if not any(o is not None for o in offsets) and not any(mus) and \
+            not any(c is not None for c in corrections):
+        return {}
+
+    def per_name(parts: list[dict | None]) -> dict[str, torch.Tensor]:
+        out = {}
+        for n in trainable:
+            cols = []
+            for j, d in zip(jobs, parts):
+                if d is not None and n in d and n in j.trainable:
+                    cols.append(d[n])
+                else:
+                    g = j.global_params[n]
+                    cols.append(g.new_zeros((len(j.client_ids), *g.shape)))
+            out[n] = torch.cat(cols)
+        return out
+
+    dev = jobs[0].x.device
+    return {"grad_offset": per_name(offsets) if any(o is not None for o in offsets) else {},
+            "prox_mu": (torch.cat([torch.full((len(j.client_ids),), mu, dtype=torch.float64)
+                                   for j, mu in zip(jobs, mus)]).to(dev)
+                        if any(mus) else None),
+            "correction": (per_name(corrections)
+                           if any(c is not None for c in corrections) else None),
+            "stacked_terms": True}
 
 
 def split_results(results: ClientResults, jobs: list[LocalJob]) -> list[ClientResults]:

@@ -285,7 +285,7 @@ def weighted_average(stacked: torch.Tensor, weights: torch.Tensor) -> torch.Tens
 
 
 def weighted_averages(stacked: dict[str, torch.Tensor], weights: torch.Tensor,
-                      chunk_numbers: int = 1 << 26) -> dict[str, torch.Tensor]:
+                      chunk_numbers: int = 1 << 24) -> dict[str, torch.Tensor]:
     """:func:`weighted_average` of every tensor of ``stacked`` (each ``(C, *shape)``): the
     tensors of one dtype and device are concatenated into ``(C, P)`` buffers of at most
     ``chunk_numbers`` numbers and averaged in one pass each, so a model's many small parameters

@@ -41,7 +41,7 @@ class FedFrozenParams:
     probe_rounds : int
         Number of warm-up rounds measured for ``warmup="auto"`` (at least 2).
     probe_batch : int
-        Validation inputs (the first of the pooled validation split) on which
+        Validation inputs (evenly spaced over the pooled validation split) on which
         ``warmup=kernel_stability`` reads the attention rows each round (default 64).
     freeze : {"qk", "v_attn_out"}
         The block frozen after T0: the attention kernel (Q/K, FedFrozen), or the equal-size

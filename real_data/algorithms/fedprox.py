@@ -37,6 +37,11 @@ class FedProx(Algorithm):
         sq = sum((p - anchor[n]).pow(2).sum() for n, p in params.items())
         return 0.5 * self.params.mu * sq
 
+    def local_terms(self, trainable, client_state, server_state):
+        """The regularizer as stacked runs take it: no gradient offset, proximal weight mu
+        (anchor: the client's start, the round's global model)."""
+        return None, float(self.params.mu)
+
     def tag(self) -> str:
         return f"fedprox-mu{self.params.mu:g}"
 

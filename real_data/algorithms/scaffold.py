@@ -116,6 +116,16 @@ class Scaffold(Algorithm):
         c = server_state.c
         return sum(((c[n] - client_state[n]) * p).sum() for n, p in params.items())
 
+    def local_terms(self, trainable, client_state, server_state):
+        """The regularizer as stacked runs take it: under SGD the gradient offset c - c_m of
+        the round's clients (``client_state`` sliced to them), no proximal term; under Adam
+        nothing (the correction is :meth:`step_correction`)."""
+        if not self._inside():
+            return None, 0.0
+        c = server_state.c
+        return ({n: c[n].to(client_state[n].dtype) - client_state[n] for n in trainable},
+                0.0)
+
     def step_correction(self, trainable, client_state, server_state):
         """Adam: d_m = c - c_m ``(C, ...)`` for the round's clients (``client_state`` is
         sliced to them), applied as y <- y - eta d_m after every optimizer step; SGD: ``None``

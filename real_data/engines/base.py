@@ -245,6 +245,20 @@ class LocalJob:
     pad_clients : int or None
         Pad the engine call to this many clients (a constant shape for a group whose
         membership changes); the padding rows are discarded.
+    grad_offset : dict
+        Stacked runs: trainable name -> ``(C, ...)`` constant added to each client's gradient
+        (SCAFFOLD's c - c_m under SGD), in place of the algorithm's regularizer; a name absent
+        here adds nothing.
+    prox_mu : torch.Tensor or None
+        Stacked runs: ``(C,)`` proximal weight mu_m of each client, whose anchor is its start
+        value (FedProx), in place of the algorithm's regularizer.
+    correction : dict or None
+        Stacked runs: the step correction of every client (:func:`step_correction`), computed
+        per run.
+    stacked_terms : bool
+        The job is several runs' jobs in one: ``grad_offset``, ``prox_mu`` and ``correction``
+        replace the algorithm's regularizer and step correction, whatever the first run's
+        algorithm is.
     """
 
     model: nn.Module
@@ -264,6 +278,10 @@ class LocalJob:
     lr: torch.Tensor | None = None
     train_mask: dict[str, torch.Tensor] = field(default_factory=dict)
     pad_clients: int | None = None
+    grad_offset: dict[str, torch.Tensor] = field(default_factory=dict)
+    prox_mu: torch.Tensor | None = None
+    correction: dict[str, torch.Tensor] | None = None
+    stacked_terms: bool = False
 
     def start(self, name: str) -> torch.Tensor:
         """Stacked ``(C, ...)`` start values of one parameter."""
@@ -312,6 +330,8 @@ def step_correction(job: LocalJob) -> dict[str, torch.Tensor] | None:
     step of a client that finished early applies nothing). SCAFFOLD's drift correction
     c - c_m enters this way, as its public implementations apply it.
     """
+    if job.stacked_terms:
+        return job.correction
     fn = getattr(job.algorithm, "step_correction", None)
     if fn is None:
         return None

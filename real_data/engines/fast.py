@@ -100,6 +100,12 @@ class _Runner:
         self.mask = torch.ones_like(self.flat) if setup.masked else None
         # the algorithm's step correction d_m: y <- y - eta d_m after each optimizer step
         self.corr = torch.zeros_like(self.flat) if setup.correction else None
+        # stacked runs' local terms: a gradient offset o_m (SCAFFOLD under SGD) and a proximal
+        # pull mu_m (p - anchor_m) (FedProx), the objective's value sum <o_m, p> +
+        # mu_m / 2 ||p - anchor_m||^2, anchor_m the client's start
+        self.offset = torch.zeros_like(self.flat) if setup.offset else None
+        self.prox = torch.zeros(cc, 1, dtype=dt, device=dev) if setup.prox else None
+        self.anchor = torch.zeros_like(self.flat) if setup.prox else None
         offsets = torch.tensor([0] + self.numel, dtype=torch.int64).cumsum(0).tolist()
         self.columns = {n: (offsets[i], offsets[i + 1])
                         for i, n in enumerate(setup.trainable)}
@@ -131,6 +137,7 @@ class _Runner:
                                         self.opt_state.get("momentum_buffer"), setup.spec,
                                         setup.ragged, self.lr.view(cc))
                     if setup.graphs and setup.triton_update and not setup.masked
+                    and not setup.offset and not setup.prox
                     and flat_update.usable(self.flat, setup.spec) else None)
         self.account_fn = (torch.compile(self._account, dynamic=False) if setup.compile
                            else self._account)
@@ -175,6 +182,16 @@ class _Runner:
                 view.copy_(d[n][rows])
             if self.mask is not None:
                 self.corr.mul_(self.mask)
+        if self.offset is not None:
+            self.offset.zero_()
+            for n, view in zip(self.setup.trainable, self._split(self.offset)):
+                if n in job.grad_offset:
+                    view.copy_(job.grad_offset[n][rows])
+            if self.mask is not None:
+                self.offset.mul_(self.mask)
+        if self.prox is not None:
+            self.prox.copy_(job.prox_mu[rows].unsqueeze(1))
+            self.anchor.copy_(self.flat)
         self.idx.copy_(job.batches.idx[rows])
         self.active.copy_(job.batches.active[rows])
         for t in (self.s, self.count, *self.acc.values()):
@@ -247,7 +264,11 @@ class _Runner:
             obj = data + reg(self.leaves, self.cstate)
         else:
             obj = data + setup.regularizer
-        grads = torch.autograd.grad(obj.sum(), list(self.leaves.values()))
+        if self.offset is not None or self.prox is not None:
+            obj = obj + self._terms_value()
+        grads = torch.autograd.grad(data.sum() if self.offset is not None or
+                                    self.prox is not None else obj.sum(),
+                                    list(self.leaves.values()))
         if self.sgd is not None:
             norms, self._rows = self.sgd.step(list(grads), on)
             self.account_fn(norms.double(), data.detach(), obj.detach(), on, first)
@@ -255,6 +276,17 @@ class _Runner:
             self.apply_fn(list(grads), data.detach(), obj.detach(), on, first)
         if self.corr is not None:
             self._correct(on)
+
+    def _terms_value(self) -> torch.Tensor:
+        """``(Cc,)`` the stacked local terms' value at the current parameters (no gradient:
+        :meth:`_apply` adds their gradient to the data gradient)."""
+        with torch.no_grad():
+            val = torch.zeros(self.cc, dtype=self.flat.dtype, device=self.flat.device)
+            if self.offset is not None:
+                val = val + (self.offset * self.flat).sum(1)
+            if self.prox is not None:
+                val = val + 0.5 * self.prox[:, 0] * (self.flat - self.anchor).pow(2).sum(1)
+        return val
 
     def _correct(self, on: torch.Tensor) -> None:
         """y <- y - eta d_m after the optimizer step (clients that finished early: nothing)."""
@@ -269,6 +301,10 @@ class _Runner:
         """Norm, clipping, weight decay and the update on the flat buffers; loss accounting."""
         spec, cc = self.setup.spec, self.cc
         g = torch.cat([t.reshape(cc, -1) for t in grads], dim=1)  # (Cc, P)
+        if self.offset is not None:
+            g.add_(self.offset)
+        if self.prox is not None:
+            g.add_(self.prox * (self.flat - self.anchor))
         if self.mask is not None:  # a run's frozen parameters: no gradient, no norm share
             g.mul_(self.mask)
         # 3. norm before clipping, clipping, weight decay, optimizer update (flat buffers)

@@ -34,6 +34,8 @@ class RunnerSetup:
     triton_update: bool = True
     masked: tuple[str, ...] = ()  # trainable names some clients do not train (stacked runs)
     correction: bool = False  # the algorithm's step correction (engines.base.step_correction)
+    offset: bool = False  # stacked runs: a per-client gradient offset (LocalJob.grad_offset)
+    prox: bool = False  # stacked runs: a per-client proximal term (LocalJob.prox_mu)
 
 
 def regularizer_kind(job: LocalJob) -> object:
@@ -49,7 +51,7 @@ def regularizer_kind(job: LocalJob) -> object:
 def make_setup(job: LocalJob, graphs: bool, compile: bool | str, attention: str = "auto",
            fold_norms: bool = True, triton_update: bool = True) -> RunnerSetup:
     fixed = [n for n in job.global_params if n not in job.trainable]
-    reg = regularizer_kind(job)
+    reg = 0.0 if job.stacked_terms else regularizer_kind(job)
     correction = step_correction(job) is not None
     dev = job.x.device
     steps = job.batches.steps  # on the CPU: no device sync
@@ -74,4 +76,6 @@ def make_setup(job: LocalJob, graphs: bool, compile: bool | str, attention: str 
         triton_update=triton_update,
         masked=tuple(n for n in job.trainable if n in job.train_mask),
         correction=correction,
+        offset=bool(job.grad_offset),
+        prox=job.prox_mu is not None,
     )

@@ -409,7 +409,7 @@ def pack_results(plan: Plan, dest: Path) -> dict:
             add_bytes(tar, f"{spec.key}/metrics.csv", ("\n".join(kept) + "\n").encode())
             for snap in sorted((spec.run_dir / "checkpoints").glob("round_*.pt")):
                 state = torch.load(snap, map_location="cpu", weights_only=False)
-                qk = {n: t for n, t in state["global_params"].items()
+                qk = {n: t.clone() for n, t in state["global_params"].items()
                       if n.endswith(("attn.q.weight", "attn.k.weight"))}
                 buf = io.BytesIO()
                 torch.save({"global_params": qk}, buf)

@@ -36,6 +36,7 @@ RUNS = {  # name -> overrides
     "fedpart": ["algorithm.name=fedpart", "seed=2", "algorithm.warmup_rounds=1",
                 "algorithm.rounds_per_group=1", "algorithm.full_rounds_between=0"],
     "scaffold": ["algorithm.name=scaffold"],
+    "fedprox": ["algorithm.name=fedprox", "algorithm.mu=0.1", "seed=3"],
 }
 BRANCH = ("frozen_v_T1", "frozen_v_T3", 1)  # name, parent, T0
 
@@ -89,17 +90,20 @@ def test_stacked_group_equals_runs_trained_alone(tmp_path, monkeypatch):
     # is evaluated in one stacked pass per round, like the shared test set
     n_val = len(make_partition_for(_cfg("fedavg"), dataset).val_pooled)
     assert (2, n_val) in evals and (3, n_val) in evals, evals
-    # rounds 1: 4 stackable runs of 3 clients in one call; 2-4: the branch joins (5 runs);
-    # SCAFFOLD trains alone (its own 3-client calls)
-    assert calls.count(12) == 1 and calls.count(15) == 3 and calls.count(3) == 4, calls
+    # rounds 1: 6 runs of 3 clients in one call (SCAFFOLD's c - c_m as per-client gradient
+    # offsets, FedProx's mu as a per-client proximal weight); 2-4: the branch joins (7 runs)
+    assert calls == [18, 21, 21, 21], calls
     assert sorted(r.run_dir.name for _, r in results) == sorted([*RUNS, BRANCH[0]])
     assert all(r.status == "completed" for _, r in results)
     for name in [*RUNS, BRANCH[0]]:
         a, g = metric_rows(alone / name / "metrics.csv"), metric_rows(tmp_path / "group" / name /
                                                           "metrics.csv")
         assert a.keys() == g.keys(), name
-        bad = {k: (a[k], g[k]) for k in a if abs(a[k] - g[k]) > 1e-6 * abs(a[k]) + 1e-9}
+        skip = KEY_BIAS_METRICS if name == "fedprox" else ()
+        bad = {k: (a[k], g[k]) for k in a
+               if k[2] not in skip and abs(a[k] - g[k]) > 1e-6 * abs(a[k]) + 1e-9}
         assert not bad, (name, list(bad.items())[:5])
+    _same_but_key_bias(alone / "fedprox", tmp_path / "group" / "fedprox")
     stages = {k[3] for k in metric_rows(tmp_path / "group" / BRANCH[0] / "metrics.csv")}
     assert stages == {"warmup", "frozen"}
     lrs = {k[0]: v for k, v in metric_rows(tmp_path / "group" / "fedavg_lr" / "metrics.csv").items()
@@ -145,6 +149,45 @@ def test_compiled_evaluation_passes_equal_one_pass(tmp_path, monkeypatch, models
 def test_group_compile_choice_is_checked():
     with pytest.raises(ValueError, match="compile='sometimes'"):
         run_group([], compile="sometimes")
+
+
+# Under a proximal term the attention key bias (softmax is invariant to it, so its data
+# gradient is round-off) drifts by 1e-3 in fp64, differently in every engine: FedProx alone on
+# the fast and on the sequential engine already part by 1e-3 there. The metrics that sum over
+# it are compared through the other parameters instead.
+KEY_BIAS_METRICS = ("qk_change", "update_norm", "update_dispersion", "update_dispersion_rel")
+
+
+def _same_but_key_bias(alone, group):
+    """Every final global parameter but the attention key biases within 1e-9."""
+    a = torch.load(alone / "checkpoints" / "last.pt", weights_only=False)["global_params"]
+    g = torch.load(group / "checkpoints" / "last.pt", weights_only=False)["global_params"]
+    for n, t in a.items():
+        if not n.endswith("attn.k.bias"):
+            torch.testing.assert_close(g[n], t, rtol=0, atol=1e-9, msg=n)
+
+
+def test_stacked_adam_scaffold_and_fedprox_equal_runs_alone(tmp_path):
+    """Under Adam SCAFFOLD's correction is applied after each step (a per-client correction
+    in the stacked call); FedProx beside it; each run's metrics within 1e-6 of it alone."""
+    cfgs = {name: tiny_config(*BASE, "train.optimizer=adam", "train.lr=0.01", *over)
+            for name, over in [("scaffold", ["algorithm.name=scaffold"]),
+                               ("fedprox", ["algorithm.name=fedprox", "algorithm.mu=0.5",
+                                            "seed=1"]),
+                               ("fedavg", ["algorithm.name=fedavg", "seed=2"])]}
+    for name, cfg in cfgs.items():
+        start_run(cfg, out=tmp_path / "alone" / name)
+    run_group([RunRequest(tmp_path / "group" / n, c) for n, c in cfgs.items()],
+              dataset=load_data(cfgs["fedavg"]), log=lambda s: None)
+    for name in cfgs:
+        a = metric_rows(tmp_path / "alone" / name / "metrics.csv")
+        g = metric_rows(tmp_path / "group" / name / "metrics.csv")
+        assert a.keys() == g.keys(), name
+        skip = KEY_BIAS_METRICS if name == "fedprox" else ()
+        bad = {k: (a[k], g[k]) for k in a
+               if k[2] not in skip and abs(a[k] - g[k]) > 1e-6 * abs(a[k]) + 1e-9}
+        assert not bad, (name, list(bad.items())[:5])
+    _same_but_key_bias(tmp_path / "alone" / "fedprox", tmp_path / "group" / "fedprox")
 
 
 def test_stack_jobs_masks_and_rates():
