@@ -11,7 +11,8 @@ condition:
    to the recommended one, else the best);
 2. the T0 sweep: final test error 1 - accuracy against T0 (a U-curve when an interior T0 is
    best), the other arms as horizontal lines, the recommended T0 (``algorithm.warmup=auto``
-   runs: the T0 their probe chose) as a vertical line;
+   runs: the T0 their probe chose) as a vertical line, and each online freeze rule
+   (``algorithm.warmup=<rule>``) as a point at the mean T0 it chose and its mean final error;
 3. stability: the gradient-norm jump after aggregation per round;
 4. stability: the relative dispersion of the client updates per round.
 
@@ -52,6 +53,7 @@ class Run:
     arm: str = ""
     warmup_rounds: int | None = None  # T0 of a fixed-T0 FedFrozen run
     recommended: int | None = None  # T0 chosen by an auto run's probe
+    decided: int | None = None  # T0 an online freeze rule chose (T: it never fired)
 
     def curve(self, metric: str) -> tuple[np.ndarray, np.ndarray]:
         values = self.series.get(metric, {})
@@ -119,6 +121,9 @@ def _label(run: Run, rel: Path) -> None:
             if chosen is None:
                 chosen = run.final("warmup_rounds_recommended")
             run.recommended = None if chosen is None or np.isnan(chosen) else int(chosen)
+        elif algo.get("warmup", "fixed") != "fixed":  # an online freeze rule
+            chosen = (run.summary.get("warmup") or {}).get("warmup_rounds")
+            run.decided = None if chosen is None else int(chosen)
         else:
             run.warmup_rounds = algo.get("warmup_rounds")
     parts = rel.as_posix().split("/")
@@ -238,8 +243,17 @@ def _sweep_panel(ax, arms, names, rec):
             drew = True
         else:
             runs = [r for rs in arm.runs_by_t0.values() for r in rs]
-            ax.axhline(np.mean([1 - r.final("test_acc") for r in runs]), lw=1,
-                       color=style["color"], linestyle=style["linestyle"], label=name)
+            chose = [r.decided for r in runs if r.decided is not None]
+            err = [1 - r.final("test_acc") for r in runs]
+            if chose:  # an online rule: its mean choice, at its mean final error
+                ax.errorbar([np.mean(chose)], [np.mean(err)], xerr=[np.std(chose)],
+                            yerr=[np.std(err)], fmt="D", ms=5, capsize=2,
+                            color=style["color"],
+                            label=f"{name}: chose T0 = {np.mean(chose):.0f}")
+                drew = True
+            else:
+                ax.axhline(np.mean(err), lw=1, color=style["color"],
+                           linestyle=style["linestyle"], label=name)
     if rec is not None:
         ax.axvline(rec, color="0.2", ls=":", lw=1.2, label=f"recommended T0 = {rec:g}")
     if not drew:

@@ -89,6 +89,11 @@ def _run_row(spec: RunSpec) -> dict | None:
         "seconds_per_round": float(summary.get("seconds_per_round", np.nan)),
         "device": summary.get("device", {}).get("name", ""),
         "status": status,
+        # the T0 a run decided itself (warmup=auto or an online freeze rule; T where it never
+        # froze), NaN for a fixed T0 or no warm-up
+        "decided_T0": float((summary.get("warmup") or {}).get("warmup_rounds", np.nan)
+                            if (summary.get("warmup") or {}).get("warmup_rounds") is not None
+                            else np.nan),
     }
     if status == "diverged":  # no score: counted apart (``compare``'s diverged columns)
         for key in ("final_acc", "best_acc", "score", "val_score"):

@@ -208,3 +208,28 @@ def test_cache_hits_misses_and_recomputes_a_corrupt_entry(tmp_path):
     (tmp_path / f"t-{config_hash({'a': 1})}.json").write_text("{not json")
     assert cached("t", {"a": 1}, compute, tmp_path) == ({"x": [1.0, 2.0]}, False)
     assert len(calls) == 3
+
+
+def test_real_data_figure_marks_the_freeze_rules_choice(tmp_path):
+    """A run with an online freeze rule (algorithm.warmup=perturbation) reads the T0 it chose
+    from its summary and is drawn as a point in the T0 panel."""
+    from figure_checks import write_run
+
+    from figures import fig7_real_data as fig7
+
+    root = tmp_path / "study"
+    for seed, t0 in ((0, 2), (1, 4)):
+        tail = f"alpha=0.3/seed={seed}"
+        write_run(root / "digits" / "fedavg" / tail, {"name": "fedavg"}, 6, lambda r: 0.1 * r,
+                  seed)
+        write_run(root / "digits" / "perturbation" / tail,
+                  {"name": "fedfrozen", "warmup": "perturbation", "warmup_rounds": None},
+                  6, lambda r: 0.09 * r, seed,
+                  summary_extra={"warmup": {"rule": "perturbation", "fired_at": t0,
+                                            "warmup_rounds": t0}})
+    runs, _ = fig7.find_runs(root)
+    rule = [r for r in runs if r.arm == "perturbation"]
+    assert sorted(r.decided for r in rule) == [2, 4]
+    assert all(r.recommended is None and r.warmup_rounds is None for r in rule)
+    fig = fig7.make(root, tmp_path / "out")
+    assert len(fig.paths) >= 1
