@@ -100,6 +100,9 @@ def find_runs(root: Path) -> tuple[list[Run], list[str]]:
         if summary.get("status") != "completed":
             notes.append(f"{folder}: status {summary.get('status', 'unknown')}, skipped")
             continue
+        if not series.get("test_acc"):  # a tuning run reads the validation split only
+            notes.append(f"{folder}: no test accuracy (eval.test=false: a tuning run), skipped")
+            continue
         run = Run(folder, load_yaml(folder / "config.yaml") or {}, summary,
                   series)
         _label(run, folder.relative_to(root) if folder != root else Path(folder.name))

@@ -233,3 +233,23 @@ def test_real_data_figure_marks_the_freeze_rules_choice(tmp_path):
     assert all(r.recommended is None and r.warmup_rounds is None for r in rule)
     fig = fig7.make(root, tmp_path / "out")
     assert len(fig.paths) >= 1
+
+
+def test_real_data_figure_skips_tuning_runs(tmp_path):
+    """A tuned study's tuning runs evaluate the validation split only (no test_acc): skipped
+    with a note, not drawn."""
+    from figure_checks import write_run
+
+    from figures import fig7_real_data as fig7
+
+    root = tmp_path / "study"
+    write_run(root / "digits" / "fedavg" / "alpha=0.3/seed=0", {"name": "fedavg"}, 4,
+              lambda r: 0.1 * r, 0)
+    tuning = root / "digits" / "fedavg+0" / "alpha=0.3/seed=100"
+    write_run(tuning, {"name": "fedavg"}, 4, lambda r: 0.1 * r, 0)
+    lines = (tuning / "metrics.csv").read_text().splitlines()
+    (tuning / "metrics.csv").write_text("\n".join(
+        ln.replace(",test_acc,", ",val_acc,") for ln in lines) + "\n")
+    runs, notes = fig7.find_runs(root)
+    assert [r.arm for r in runs] == ["fedavg"]
+    assert any("no test accuracy" in n for n in notes)
