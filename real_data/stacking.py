@@ -37,12 +37,15 @@ from real_data.engines.base import Batches, ClientResults, LocalJob, step_correc
 def stackable(job: LocalJob) -> bool:
     """True when ``job`` can share an engine call with other runs' jobs.
 
-    The algorithm must use the plain local objective (the base class's ``forward`` and zero
-    regularizer), hold no per-client state and give no per-client start values; the model needs
-    the stacked forward; dropout must be off (its random stream is per engine call).
+    The algorithm must use the model's own forward; its regularizer must be zero, or be what
+    its ``local_terms`` describe (FedProx, SCAFFOLD: defined by the class that defines
+    ``local_terms``, so a subclass that changes the regularizer is not taken), and so must any
+    per-client state it holds; it gives no per-client start values; the model needs the stacked
+    forward; dropout must be off (its random stream is per engine call).
     """
     algo = type(job.algorithm)
-    termed = hasattr(algo, "local_terms")  # its regularizer as stacked terms (FedProx, SCAFFOLD)
+    owner = next((c for c in algo.__mro__ if "local_terms" in vars(c)), None)
+    termed = owner is not None and algo.regularizer is owner.regularizer
     return (algo.forward is Algorithm.forward
             and (algo.regularizer is Algorithm.regularizer or termed)
             and (not job.client_state or termed) and not job.overrides and job.lr is None
@@ -107,8 +110,8 @@ def stack_jobs(jobs: list[LocalJob], pad_clients: int | None = None) -> LocalJob
 
 def _local_terms(jobs: list[LocalJob], trainable: tuple[str, ...]) -> dict:
     """The stacked job's ``grad_offset``, ``prox_mu`` and ``correction`` (each run's own, zero
-    for the runs and parameters without one) and ``stacked_terms``; none when no run of
-    ``jobs`` has a local term or a step correction."""
+    for the runs and parameters without one; left out when no run of ``jobs`` has one) and
+    ``stacked_terms``, always: a stacked job never runs the first run's regularizer."""
     offsets, mus, corrections = [], [], []
     for j in jobs:
         fn = getattr(j.algorithm, "local_terms", None)
@@ -119,7 +122,9 @@ def _local_terms(jobs: list[LocalJob], trainable: tuple[str, ...]) -> dict:
         corrections.append(step_correction(j))
     if not any(o is not None for o in offsets) and not any(mus) and \
             not any(c is not None for c in corrections):
-        return {}
+        # no run brings a term: still none of the first run's regularizer (FedProx at mu = 0
+        # would otherwise be read as a per-client tensor regularizer)
+        return {"stacked_terms": True}
 
     def per_name(parts: list[dict | None]) -> dict[str, torch.Tensor]:
         out = {}

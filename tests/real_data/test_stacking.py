@@ -1,8 +1,8 @@
 """Stacked groups against runs trained alone, and a killed group resumed.
 
 A group of runs that differ in seed, lr, lr schedule, algorithm (FedAvg, FedFrozen's two
-variants with a T0 branch, FedPart, and SCAFFOLD, which cannot share an engine call and trains
-alone inside the group) must write, for every run, the metrics of that run trained alone:
+variants with a T0 branch, FedPart, SCAFFOLD and FedProx, whose local terms go into the shared
+engine call as per-client data) must write, for every run, the metrics of that run trained alone:
 every (round, client, metric, stage) row present in both (validation metrics of the runs
 that share a partition evaluated in one stacked pass), values within 1e-6 (relative, with
 an absolute floor of 1e-9) in float64. A group killed between a round's rows and its checkpoint
@@ -212,6 +212,31 @@ def test_stack_jobs_masks_and_rates():
     assert qk and all(job.train_mask[n].tolist() == [1] * 3 + [0] * 3 + [1] * 3 for n in qk)
     assert job.overrides[qk[0]].shape[0] == 9 and job.pad_clients == 12
     assert torch.equal(job.overrides[qk[0]][3], jobs[1].global_params[qk[0]])
+    # no run brings a local term: none, and the first run's regularizer is not read either
+    assert job.stacked_terms and not job.grad_offset and job.prox_mu is None
+    assert job.correction is None
+
+
+def test_stacking_takes_local_terms_of_their_own_class_only():
+    """FedProx (also at mu = 0) and SCAFFOLD stack; a subclass that changes the regularizer
+    does not inherit its parent's terms."""
+    from real_data.algorithms.fedprox import FedProx
+    from real_data.federation import Federation
+    from real_data.runs import make_partition_for, resolve
+
+    dataset = load_data(_cfg("fedavg"))
+    cfg = tiny_config(*BASE, "algorithm.name=fedprox", "algorithm.mu=0")
+    fed = Federation(resolve(cfg, dataset), dataset, make_partition_for(cfg, dataset))
+    job = fed.begin_round(fed.initial_state(), 1).job
+    assert stackable(job)
+    assert stack_jobs([job, job]).stacked_terms
+
+    class Changed(FedProx):
+        def regularizer(self, params, anchor, client_state, server_state):
+            return 2 * super().regularizer(params, anchor, client_state, server_state)
+
+    fed.algorithm.__class__ = Changed
+    assert not stackable(fed.begin_round(fed.initial_state(), 1).job)
 
 
 _SCRIPT = r"""
