@@ -325,7 +325,8 @@ def test_stacked_sweep_equals_the_sweep_run_by_run(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_stacked_round_on_the_gpu_agrees_with_runs_alone(tmp_path):
     """One round in fp32 on CUDA (CUDA graphs; alone, FlatSGD's Triton update reads each
-    client's lr; stacked, the masked update): each run's stacked update equals its run alone
+    client's lr; stacked, the masked update with FedProx's and SCAFFOLD's terms as per-client
+    data): each run's stacked update equals its run alone
     within 1e-4 of its norm plus 1e-6, its loss within 1e-5. The key bias is left out: under
     softmax its gradient is exactly zero (each query's score shift is the same for every key),
     so its update is the attention kernel's TF32 rounding noise in either path. (bf16
@@ -339,7 +340,10 @@ def test_stacked_round_on_the_gpu_agrees_with_runs_alone(tmp_path):
     names = {"fedavg": ["algorithm.name=fedavg"],
              "frozen_v": ["algorithm.name=fedfrozen", "algorithm.train=v",
                           "algorithm.warmup_rounds=0"],
-             "lr": ["algorithm.name=fedavg", "train.lr=0.03", "seed=1"]}
+             "lr": ["algorithm.name=fedavg", "train.lr=0.03", "seed=1"],
+             # local terms as per-client data in the captured step (alone: the regularizer)
+             "fedprox": ["algorithm.name=fedprox", "algorithm.mu=0.5", "seed=2"],
+             "scaffold": ["algorithm.name=scaffold", "seed=3"]}
     dataset = load_data(tiny_config(*gpu))
     feds = []
     for over in names.values():
