@@ -20,7 +20,8 @@ criterion with the defaults below, the same in every setting:
   top 10% keys of every attention row form a binary mask; fires when the newest mask lies
   within normalized Hamming distance 0.1 of each of the previous four.
 - ``plateau``: fires when the best validation score of the last 10 rounds is no more than
-  ``plateau_delta`` above the best before them (accuracy: 0.1 point, 0.001; for a loss, the
+  ``plateau_delta`` above the best before them (rounds, not evaluations: a run that evaluates
+  every k rounds feeds the rule those rounds only) (accuracy: 0.1 point, 0.001; for a loss, the
   score is minus the loss divided by the first loss, so 0.001 is 0.1% of the starting loss).
 - ``fraction=f``: T0 = ceil(f T), the fixed-schedule reference (f = 1: never freeze).
 
@@ -197,12 +198,14 @@ class FreezeRule:
         return max(dist), max(dist) <= HAMMING
 
     def _plateau(self, rnd, val_score):
+        """Windows in rounds: a run that evaluates every k rounds feeds only those rounds."""
         hist = self._state.setdefault("scores", [])
-        hist.append(float(val_score))
-        if len(hist) <= PLATEAU_WINDOW:
+        hist.append((int(rnd), float(val_score)))
+        last = [v for r, v in hist if r > rnd - PLATEAU_WINDOW]
+        before = [v for r, v in hist if r <= rnd - PLATEAU_WINDOW]
+        if not before:
             return None, False
-        before, last = max(hist[:-PLATEAU_WINDOW]), max(hist[-PLATEAU_WINDOW:])
-        gain = last - before
+        gain = max(last) - max(before)
         return gain, gain <= PLATEAU_DELTA
 
     def _fraction(self, rnd):

@@ -68,6 +68,12 @@ def test_plateau():
     rule = make_rule("plateau", 100)
     # improves by 0.01 a round until round 20, then flat: fires once 10 flat rounds follow
     assert _feed(rule, 99, val_score=lambda t: min(t, 20) * 0.01) == 30
+    # evaluated every 5 rounds: the window is still 10 rounds (two evaluations), not 10 of them
+    sparse = make_rule("plateau", 100)
+    for t in range(5, 100, 5):
+        if sparse.observe(t, val_score=min(t, 20) * 0.01):
+            break
+    assert sparse.warmup_rounds == 30
     climbing = make_rule("plateau", 100)
     assert _feed(climbing, 99, val_score=lambda t: t * 0.01) == 100
 
