@@ -33,6 +33,7 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+from linattn.fileio import atomic_write_json  # noqa: E402
 from linattn_theory.advice import PROBE_DEFAULTS  # noqa: E402
 from linattn_theory.dynamics import initial_point  # noqa: E402
 from linattn_theory.problem import make_problem  # noqa: E402
@@ -119,8 +120,7 @@ def main(argv=None) -> int:
                            "processor": platform.processor() or platform.machine(),
                            "cores_used": 1, "load_average": os.getloadavg()},
                "source_sha256": hashlib.sha256(source).hexdigest(), "commit": commit}
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(payload, indent=1) + "\n")
+    atomic_write_json(args.output, payload, indent=1)
     print(f"wrote {args.output}")
     return 0
 

@@ -114,6 +114,19 @@ class FreezeRule:
         }[self.name.partition("=")[0]])
 
     @property
+    def state_bytes(self) -> int:
+        """Bytes of the arrays the rule keeps between rounds (its memory overhead)."""
+        def size(obj) -> int:
+            if isinstance(obj, np.ndarray):
+                return int(obj.nbytes)
+            if isinstance(obj, dict):
+                return sum(size(v) for v in obj.values())
+            if isinstance(obj, list | tuple):
+                return sum(size(v) for v in obj)
+            return 0
+        return size(self._state)
+
+    @property
     def warmup_rounds(self) -> int:
         """T0: the firing round, or T if the rule never fired."""
         return self.total_rounds if self.fired_at is None else self.fired_at

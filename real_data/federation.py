@@ -326,33 +326,33 @@ class Federation:
         return records + [(rnd, "global", k, v) for k, v in sorted(g.items())]
 
     def _check_rule_inputs(self) -> None:
-        """A warm-up rule's inputs exist: the validation split, a probe batch within it, and
-        attention layers (ConfigError naming the key otherwise)."""
+        """What the algorithm's round observation reads exists: the validation split, a probe
+        batch within it, and attention layers (ConfigError naming the key otherwise)."""
         from linattn.errors import ConfigError
         from real_data.models.layers import Attention
 
-        algo = self.algorithm
-        spec = getattr(algo.params, "warmup", None)
-        if getattr(algo, "needs_validation", False) and self.x_val is None:
-            raise ConfigError(f"algorithm.warmup={spec} reads the validation split; set "
+        algo, name = self.algorithm, self.cfg.algorithm.name
+        if algo.needs_validation and self.x_val is None:
+            raise ConfigError(f"algorithm.name={name} with these settings "
+                              f"({_settings(self.cfg)}) reads the validation split; set "
                               "partition.validation_fraction (e.g. 0.1)")
-        if getattr(algo, "needs_attention", False):
+        batch = algo.attention_probe_batch
+        if batch is not None:
             if not any(isinstance(m, Attention) for m in self.model.modules()):
-                raise ConfigError(f"algorithm.warmup={spec} reads attention rows, and "
-                                  f"model.name={self.cfg.model.name} has no attention layers")
-            batch = algo.params.probe_batch
+                raise ConfigError(f"algorithm.name={name} ({_settings(self.cfg)}) reads "
+                                  f"attention rows, and model.name={self.cfg.model.name} has "
+                                  "no attention layers")
             if batch > len(self.x_val):
                 raise ConfigError(f"algorithm.probe_batch={batch} exceeds the validation "
                                   f"split's {len(self.x_val)} samples; lower it or raise "
                                   "partition.validation_fraction")
 
     def _attention_probe(self, state: FedState):
-        """The global model's attention rows on ``algorithm.probe_batch`` pooled validation
-        inputs evenly spaced over the split (a warm-up rule's probe batch)."""
+        """The global model's attention rows on ``algorithm.attention_probe_batch`` pooled
+        validation inputs evenly spaced over the split (so every client's inputs are in it)."""
         from real_data.models.layers import attention_scores
 
-        # spread over the pooled split (concatenated client by client): every client's inputs
-        n = self.algorithm.params.probe_batch
+        n = self.algorithm.attention_probe_batch
         batch = self.x_val[torch.linspace(0, len(self.x_val) - 1, n).round().long()]
         ctx = (torch.autocast(self.device.type, dtype=self.autocast) if self.autocast
                else contextlib.nullcontext())
@@ -570,3 +570,10 @@ def _check_finite(rnd, ids, objective, params) -> None:
     bad = bad or ["(aggregate)"]
     raise Diverged(f"non-finite loss or parameters in round {rnd} (clients {bad[:10]}); "
                    "try a smaller train.lr or set train.clip_grad_norm")
+
+
+def _settings(cfg: Config) -> str:
+    """The algorithm's settings as ``algorithm.key=value`` pairs, for error messages."""
+    params = cfg.algorithm.params
+    fields = getattr(params, "__dataclass_fields__", {})
+    return ", ".join(f"algorithm.{k}={getattr(params, k)}" for k in fields)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from real_data.engines.base import task_loss
+from real_data.engines.base import chunk_names, task_loss
 
 
 @torch.no_grad()
@@ -170,12 +170,7 @@ def update_dispersion(
     p = weights.double()
     sq = torch.zeros(len(p), dtype=torch.float64, device=p.device)
     mean_sq = torch.zeros((), dtype=torch.float64, device=p.device)
-    names = list(client_params)
-    while names:
-        take, size = [], 0
-        while names and (not take or size + client_params[names[0]].numel() <= chunk_numbers):
-            size += client_params[names[0]].numel()
-            take.append(names.pop(0))
+    for take in chunk_names(client_params, chunk_numbers):
         d = torch.cat([(client_params[n].flatten(1) - global_params[n].reshape(1, -1)).double()
                        for n in take], dim=1)  # (C, P_chunk)
         mean = p @ d

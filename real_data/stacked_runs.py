@@ -100,8 +100,8 @@ def stack_key(cfg: Config) -> tuple:
 COMPILE_PAYS_RUN_ROUNDS = 2000
 """Run-rounds from which a CUDA group of ``train.engine=vectorized`` runs compiles its engine
 (``compile="auto"``): on an H200 the compiled engine saves about 23 ms per run-round of the
-study's Fashion-MNIST ViT (45-run group: 37 ms eager, 14 ms compiled) and compiling costs
-about 40 s (docs/bench/NOTES.md, the stacking rows)."""
+study's Fashion-MNIST ViT (45-run group: 37 ms eager, 14 ms compiled), so 2000 run-rounds save
+about 46 s, the order of one compilation (tens of seconds per chunk shape, docs/bench/NOTES.md)."""
 
 
 def _run_rounds(members: list[_Member]) -> int:

@@ -33,6 +33,12 @@ DESCRIPTION = ("The synthetic federated simulator of linear attention: run a YAM
                "Run 'linattn simulate COMMAND --help' for a command's options.")
 
 
+def _out_option(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument("--out", default=default, metavar="DIR",
+                        help=f"output directory (default: {default} under the current "
+                        "directory)")
+
+
 def _parser() -> argparse.ArgumentParser:
     top = _Parser(prog="linattn simulate", description=DESCRIPTION)
     sub = top.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND",
@@ -54,9 +60,7 @@ def _parser() -> argparse.ArgumentParser:
                          "simulator on the default grid (or the small one with --quick) and "
                          "write validation.json and validation.md.")
     val.add_argument("--quick", action="store_true", help="small grid (seconds; for tests)")
-    val.add_argument("--out", default="runs/simulate/validation", metavar="DIR",
-                     help="output directory (default: runs/simulate/validation under the "
-                     "current directory)")
+    _out_option(val, "runs/simulate/validation")
     val.add_argument("--threads", type=int, default=1, metavar="N",
                      help="torch threads (default 1)")
     bench = sub.add_parser("bench", help="vectorized vs plain loop on the validation grid",
@@ -78,9 +82,7 @@ def _parser() -> argparse.ArgumentParser:
                            "Writes schedule_study.json, schedule_study.csv and "
                            "schedule_tables.json.")
     sched.add_argument("--quick", action="store_true", help="tiny grids (seconds; for tests)")
-    sched.add_argument("--out", default="runs/simulate/schedules", metavar="DIR",
-                       help="output directory (default: runs/simulate/schedules under the "
-                       "current directory)")
+    _out_option(sched, "runs/simulate/schedules")
     sched.add_argument("--workers", type=int, default=1, metavar="N",
                        help="processes for the exact dynamics (default 1)")
     sched.add_argument("--sim-seeds", type=int, default=4, metavar="N",
@@ -97,9 +99,7 @@ def _parser() -> argparse.ArgumentParser:
                            "{0, T/10, ..., T} and against never freezing. Writes "
                            "freeze_rules.json and freeze_rules.md.")
     rules.add_argument("--quick", action="store_true", help="the 4 cheapest settings (seconds)")
-    rules.add_argument("--out", default="runs/simulate/freeze_rules", metavar="DIR",
-                       help="output directory (default: runs/simulate/freeze_rules under the "
-                       "current directory)")
+    _out_option(rules, "runs/simulate/freeze_rules")
     return top
 
 

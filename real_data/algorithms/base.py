@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from real_data.engines.base import ClientResults, OptimizerSpec
+from real_data.engines.base import ClientResults, OptimizerSpec, chunk_names
 from real_data.models.groups import ParamGroup
 
 
@@ -239,6 +239,18 @@ class Algorithm:
         new.update(weighted_averages({n: results.params[n] for n in plan.upload}, weights))
         return ServerUpdate(new)
 
+    @property
+    def needs_validation(self) -> bool:
+        """True when :meth:`observe_round` reads the validation split (the federation then
+        requires one); default False."""
+        return False
+
+    @property
+    def attention_probe_batch(self) -> int | None:
+        """Pooled validation inputs on which :meth:`observe_round` reads attention rows
+        (``attention_scores()``), or None when it reads none; default None."""
+        return None
+
     def observe_round(self, rnd: int, metrics: dict, state, attention_scores) -> dict:
         """After round ``rnd``'s evaluation: ``metrics`` holds the round's global metrics so
         far (``val_acc`` where the round evaluated a validation split), ``state`` the new
@@ -295,11 +307,7 @@ def weighted_averages(stacked: dict[str, torch.Tensor], weights: torch.Tensor,
     for n, t in stacked.items():
         groups.setdefault((t.dtype, t.device), []).append(n)
     for names in groups.values():
-        while names:
-            take, size = [], 0
-            while names and (not take or size + stacked[names[0]].numel() <= chunk_numbers):
-                size += stacked[names[0]].numel()
-                take.append(names.pop(0))
+        for take in chunk_names({n: stacked[n] for n in names}, chunk_numbers):
             if len(take) == 1:
                 out[take[0]] = weighted_average(stacked[take[0]], weights)
                 continue

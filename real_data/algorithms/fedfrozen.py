@@ -158,8 +158,8 @@ class FedFrozen(Algorithm):
         return rule is not None and rule.partition("=")[0] in ("plateau", "kernel_stability")
 
     @property
-    def needs_attention(self) -> bool:
-        return self.params.rule == "kernel_stability"
+    def attention_probe_batch(self) -> int | None:
+        return self.params.probe_batch if self.params.rule == "kernel_stability" else None
 
     def _frozen(self, rnd: int, server_state: FedFrozenState) -> bool:
         # a fixed T0 comes from the config (so a T0 sweep can branch a warm-up checkpoint)
@@ -265,7 +265,7 @@ class FedFrozen(Algorithm):
                 "rule": rule.name, "fired_at": "never" if rule.fired_at is None
                 else rule.fired_at, "warmup_rounds": rule.warmup_rounds,
                 "rule_seconds": server_state.rule_seconds,
-                "rule_state_bytes": _nbytes(rule._state)}}
+                "rule_state_bytes": rule.state_bytes}}
         if server_state.constants is None:
             return {}
         return {"warmup": {"warmup_rounds": server_state.warmup_rounds,
@@ -276,14 +276,3 @@ class FedFrozen(Algorithm):
               else self.params.warmup)
         control = "" if self.params.freeze == "qk" else f"-freeze_{self.params.freeze}"
         return f"fedfrozen-{self.params.train}{control}-T0{t0}"
-
-
-def _nbytes(obj) -> int:
-    """Bytes of the numpy arrays in a rule's state (nested dicts and lists)."""
-    if isinstance(obj, np.ndarray):
-        return int(obj.nbytes)
-    if isinstance(obj, dict):
-        return sum(_nbytes(v) for v in obj.values())
-    if isinstance(obj, list | tuple):
-        return sum(_nbytes(v) for v in obj)
-    return 0

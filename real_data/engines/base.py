@@ -191,6 +191,22 @@ class BatchPlanner:
             self._pool, self._ahead = None, None
 
 
+def chunk_names(tensors: dict[str, torch.Tensor], limit: int) -> list[list[str]]:
+    """The names of ``tensors`` in order, cut into runs whose tensors hold at most ``limit``
+    numbers together (a tensor above ``limit`` is a run of its own): the chunks in which a
+    reduction over many parameters concatenates them."""
+    chunks: list[list[str]] = []
+    size = 0
+    for n, t in tensors.items():
+        if chunks and size + t.numel() <= limit:
+            chunks[-1].append(n)
+            size += t.numel()
+        else:
+            chunks.append([n])
+            size = t.numel()
+    return chunks
+
+
 def task_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over samples (images) or over all positions (text), in >= fp32."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))

@@ -13,6 +13,7 @@ one point where ``metrics.csv`` is ahead of ``checkpoints/last.pt``.
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,6 +36,27 @@ def pause_at(round_: int, marker: Path):
 def command(*args: str) -> list[str]:
     """argv that runs this file with ``args`` (for subprocess or torchrun)."""
     return [sys.executable, __file__, *args]
+
+
+def start(round_: int, marker: Path, out: Path, *overrides: str) -> subprocess.Popen:
+    """This file in a subprocess: a run of ``overrides`` into ``out`` that pauses after round
+    ``round_``'s rows (stderr piped for :func:`wait_paused`)."""
+    return subprocess.Popen(command("--round", str(round_), "--marker", str(marker), "--out",
+                                    str(out), *overrides), cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def wait_paused(proc: subprocess.Popen, marker: Path, what: str, timeout: float = 150,
+                poll: float = 0.05) -> None:
+    """Wait until ``marker`` exists; fail with the process's stderr if it ends first, or with
+    ``what`` after ``timeout`` seconds."""
+    deadline = time.time() + timeout
+    while not marker.exists():
+        if proc.poll() is not None:
+            err = proc.stderr.read()
+            raise AssertionError(err.decode()[-3000:] if isinstance(err, bytes) else err[-3000:])
+        assert time.time() < deadline, what
+        time.sleep(poll)
 
 
 def main(argv: list[str]) -> int:

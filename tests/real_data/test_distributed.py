@@ -23,6 +23,7 @@ import pytest
 import torch
 from conftest import REPO, TINY, digits_dataset, random_partition, tiny_config, train_rounds
 from pause_run import command as pause_command
+from pause_run import wait_paused
 
 from linattn.cli import main as linattn_main
 from real_data import distributed
@@ -184,11 +185,7 @@ def test_gloo_run_killed_and_resumed_equals_single_process(tmp_path):
     proc = subprocess.Popen(_torchrun(*script), cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        deadline = time.time() + 150
-        while not marker.exists():
-            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-            assert time.time() < deadline, "the distributed run never reached round 3"
-            time.sleep(0.1)
+        wait_paused(proc, marker, "the distributed run never reached round 3", poll=0.1)
     finally:
         _kill_torchrun(proc)
     assert torch.load(killed / "checkpoints" / "last.pt", weights_only=False)["round"] == 2

@@ -5,13 +5,12 @@ equals the runs trained alone; bad rules and missing inputs exit 2 naming the ke
 
 import json
 import signal
-import subprocess
-import time
 
 import pytest
 import torch
-from conftest import REPO, TINY, metric_rows, tiny_config
-from pause_run import command as pause_command
+from conftest import TINY, metric_rows, tiny_config
+from pause_run import start as start_paused
+from pause_run import wait_paused
 
 from linattn.cli import main as linattn_main
 from real_data.models.layers import attention_scores
@@ -71,15 +70,9 @@ def test_norm_change_fires_and_freezes(tmp_path):
 def test_killed_rule_run_resumes_to_identical_metrics(tmp_path):
     over = [*TINY, *BASE, "algorithm.warmup=perturbation"]
     killed, marker = tmp_path / "killed", tmp_path / "paused"
-    proc = subprocess.Popen(pause_command("--round", "6", "--marker", str(marker), "--out",
-                                          str(killed), *over), cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = start_paused(6, marker, killed, *over)
     try:
-        deadline = time.time() + 150
-        while not marker.exists():
-            assert proc.poll() is None, proc.stderr.read().decode()
-            assert time.time() < deadline, "the run never reached round 6"
-            time.sleep(0.05)
+        wait_paused(proc, marker, "the run never reached round 6")
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:

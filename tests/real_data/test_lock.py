@@ -12,12 +12,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from conftest import REPO, TINY, cli_command, tiny_config
-from pause_run import command as pause_command
+from pause_run import start as start_paused
+from pause_run import wait_paused
 
 from linattn.cli import main as linattn_main
 from real_data import engines
@@ -83,15 +83,9 @@ def test_the_lock_is_held_while_training_and_released_after(tmp_path, monkeypatc
 def test_resume_while_another_process_trains_exits_2_and_changes_nothing(tmp_path, capsys):
     run, marker = tmp_path / "run", tmp_path / "paused"
     args = [*SMALL, "train.rounds=5"]
-    proc = subprocess.Popen(pause_command("--round", "2", "--marker", str(marker), "--out",
-                                          str(run), *args), cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = start_paused(2, marker, run, *args)
     try:
-        deadline = time.time() + 150
-        while not marker.exists():
-            assert proc.poll() is None, proc.stderr.read().decode()
-            assert time.time() < deadline, "the run never reached round 2"
-            time.sleep(0.05)
+        wait_paused(proc, marker, "the run never reached round 2")
         before = (run / "metrics.csv").read_bytes()
         assert linattn_main(["run", "--resume", str(run)]) == 2
         err = capsys.readouterr().err

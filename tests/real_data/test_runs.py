@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, run_cli, tiny_config
-from pause_run import command as pause_command
+from conftest import TINY, run_cli, tiny_config
+from pause_run import start as start_paused
+from pause_run import wait_paused
 
 from linattn.cli import main as linattn_main
 from real_data import engines
@@ -53,15 +52,9 @@ def test_bad_config_exit_code_through_the_command(tmp_path):
 def test_killed_run_resumes_to_identical_metrics(tmp_path):
     args = ["run", "--config", "digits_vit", *SMALL, "train.rounds=6"]
     killed, marker = tmp_path / "killed", tmp_path / "paused"
-    proc = subprocess.Popen(pause_command("--round", "4", "--marker", str(marker), "--out",
-                                          str(killed), *SMALL, "train.rounds=6"), cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = start_paused(4, marker, killed, *SMALL, "train.rounds=6")
     try:
-        deadline = time.time() + 150
-        while not marker.exists():
-            assert proc.poll() is None, proc.stderr.read().decode()
-            assert time.time() < deadline, "the run never reached round 4"
-            time.sleep(0.05)
+        wait_paused(proc, marker, "the run never reached round 4")
         proc.send_signal(signal.SIGKILL)  # round 4 rows written, its checkpoint not yet
         proc.wait(timeout=30)
     finally:

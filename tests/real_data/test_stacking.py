@@ -15,11 +15,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 from conftest import REPO, TINY, metric_rows, tiny_config
+from pause_run import wait_paused
 
 from real_data.runs import load_data, make_partition_for, prepare_start, start_run
 from real_data.stacked_runs import Branch, RunRequest, run_group
@@ -272,11 +272,7 @@ def test_killed_group_resumes_to_identical_metrics(tmp_path):
     root = tmp_path / "killed" / "runs"
     proc = _group_process(root, 3)
     marker = root.parent / "paused"
-    deadline = time.time() + 600
-    while not marker.exists():
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
-        assert time.time() < deadline
-        time.sleep(0.2)
+    wait_paused(proc, marker, "the group never reached round 3", timeout=600, poll=0.2)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (root / "frozen_v_T3" / "summary.json").exists()

@@ -32,6 +32,7 @@ def test_perturbation_fires_on_noise_not_on_drift():
     level = math.sqrt(0.1 / 1.9)
     assert all(s <= level for s in noise.signal[t0 - 3:t0])
     assert noise.signal[t0 - 4] > level
+    assert noise.state_bytes == 2 * 50 * 8  # the two averages of a 50-vector, float64
 
 
 def test_norm_change_interval_rule():
