@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import sys
 from pathlib import Path
 
@@ -209,6 +210,11 @@ def _study(argv: list[str]) -> int:
                     help="a plan with a tune section: only its tuning runs (every grid point "
                     "on the tuning seed, scored on validation) or only its final runs (the "
                     "chosen configurations over every seed); default both, in order")
+    ap.add_argument("--choices", type=Path, metavar="choices.json",
+                    help="the final stage takes the chosen configurations from this file (the "
+                    "choices.json a tuning stage wrote, or its exported copy) instead of the "
+                    "tuning runs, which then need not be here; with --slice, the final stage "
+                    "needs only the selected arms' tuning finished (or chosen in this file)")
     args = ap.parse_args(argv)
     if args.max_runs is not None and args.max_runs < 1:
         raise UserError(f"--max-runs {args.max_runs}: must be >= 1")
@@ -230,19 +236,36 @@ def _study(argv: list[str]) -> int:
         raise UserError(f"--stage {args.stage}: plan {full.name} has no tune section")
     stages = ["plain"] if full.tune is None else (
         [args.stage] if args.stage else ["tune", "final"])
+    if args.choices is not None and "final" not in stages:
+        raise UserError("--choices: only the final stage reads it; drop --stage tune")
+    choices = None if args.choices is None else study.load_choices(args.choices, full)
     failed = 0
     for stage in stages:
         if stage == "tune":
             plan = study.tuning_plan(full)
         elif stage == "final":
+            # with --slice, only the selected arms need their tuning finished (or chosen)
+            partial = bool(args.slice)
             try:
-                plan = study.final_plan(full, write=not args.list)
+                plan = study.final_plan(full, choices, write=not args.list and choices is None,
+                                        partial=partial)
             except UserError as exc:  # tuning unfinished: nothing to choose from yet
                 if args.stage == "final":
                     raise
                 print(f"study: the final stage waits for the tuning runs ({exc})")
                 break
-            print(f"study: chosen configurations in {full.out_dir / study.CHOICES_FILE}")
+            if partial and not any(fnmatch.fnmatch(s.key, p) for s in study.plan_runs(plan)
+                                   for p in args.slice):
+                msg = (f"--slice {' '.join(args.slice)}: no final run of plan {full.name} is "
+                       "selected whose arm has a chosen configuration")
+                if args.stage == "final":
+                    raise UserError(f"{msg}; finish those arms' tuning runs (--stage tune "
+                                    "with the same --slice over the tuning keys) or pass "
+                                    "--choices")
+                print(f"study: the final stage waits for the tuning runs ({msg})")
+                break
+            print("study: chosen configurations in "
+                  f"{args.choices or full.out_dir / study.CHOICES_FILE}")
         else:
             plan = full
         if args.list:

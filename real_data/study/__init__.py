@@ -93,7 +93,14 @@ from real_data.study.tables import (
     write_markers,
     write_tables,
 )
-from real_data.study.tuning import CHOICES_FILE, choose, final_plan, grid_points, tuning_plan
+from real_data.study.tuning import (
+    CHOICES_FILE,
+    choose,
+    final_plan,
+    grid_points,
+    load_choices,
+    tuning_plan,
+)
 
 # short names the command line (real_data/cli.py), scripts/cpu_references.py and the tests use
 _key = run_key
@@ -110,6 +117,7 @@ __all__ = [
     "choose",
     "compare",
     "final_plan",
+    "load_choices",
     "grid_points",
     "tuning_plan",
     "write_comparison",

@@ -133,10 +133,12 @@ def _t0_of(run_dir: Path) -> int:
     return int(run_dir.parents[1].name.rsplit("-T0=", 1)[1])
 
 
-def choose(plan: Plan, write: bool = True) -> dict:
+def choose(plan: Plan, write: bool = True, partial: bool = False) -> dict:
     """The chosen grid point and T0 of every (sweep, arm, alpha), from the finished tuning
     runs; raises ConfigError naming the missing runs while tuning is unfinished. With
-    ``write``, the whole table goes to ``<out_dir>/choices.json``."""
+    ``partial``, a (sweep, arm, alpha) whose tuning is unfinished is left out instead and its
+    missing runs are listed under ``"unfinished"``. With ``write``, the whole table goes to
+    ``<out_dir>/choices.json``."""
     _need_tune(plan)
     tune = plan.tune
     higher = tune.metric.endswith("acc")
@@ -165,14 +167,16 @@ def choose(plan: Plan, write: bool = True) -> dict:
                         cands.append({"grid_point": i, "overrides": list(point),
                                       "warmup_rounds": t0, "score": score, "status": status})
                 if not cands or len(cands) < len(points) * len(arm.warmup_rounds or (None,)):
-                    continue
+                    continue  # unfinished: its missing runs are listed
                 best = (max if higher else min)(cands, key=lambda c: c["score"])
                 if best["status"] == "diverged":
                     raise ConfigError(f"every tuning run of {sw.name}/{arm.name} (alpha "
                                       f"{alpha}) diverged; lower the grid's learning rates")
                 out["choices"].append({"sweep": sw.name, "arm": arm.name, "alpha": alpha,
                                        "chosen": best, "candidates": cands})
-    if missing:
+    if partial:
+        out["unfinished"] = missing
+    elif missing:
         raise ConfigError(f"tuning of plan {plan.name} is unfinished: {len(missing)} run(s) "
                           f"not final, e.g. {missing[0]}; run `linattn study --plan ... "
                           "--stage tune` first")
@@ -191,10 +195,16 @@ def _plain(value):
     return value
 
 
-def final_plan(plan: Plan, choices: dict | None = None, write: bool = True) -> Plan:
+def final_plan(plan: Plan, choices: dict | None = None, write: bool = True,
+               partial: bool = False) -> Plan:
     """The final stage's runs: every arm at its chosen grid point and T0 (one sweep per alpha,
-    since the choice is made per alpha) over the plan's seeds, test set evaluated."""
-    choices = choose(plan, write) if choices is None else choices
+    since the choice is made per alpha) over the plan's seeds, test set evaluated.
+
+    ``choices``: a table as :func:`choose` writes it (e.g. read by :func:`load_choices`);
+    default, chosen from the tuning runs. With ``partial``, an arm without a choice (its
+    tuning unfinished, or absent from ``choices``) is left out, and so is a sweep and alpha
+    left with no arm to compare."""
+    choices = choose(plan, write, partial) if choices is None else choices
     chosen = {(c["sweep"], c["arm"], c["alpha"]): c["chosen"] for c in choices["choices"]}
     sweeps = []
     for sw in plan.sweeps:
@@ -205,9 +215,69 @@ def final_plan(plan: Plan, choices: dict | None = None, write: bool = True) -> P
                     arms.append(dataclasses.replace(
                         arm, overrides=(*arm.overrides, *_held_out(plan)), grid=()))
                     continue
-                c = chosen[(sw.name, arm.name, alpha)]
+                c = chosen.get((sw.name, arm.name, alpha))
+                if c is None:
+                    if partial:
+                        continue
+                    raise ConfigError(f"no chosen configuration for {sw.name}/{arm.name} "
+                                      f"(alpha {alpha}); finish its tuning runs, or pass "
+                                      "choices that include it")
                 t0 = c["warmup_rounds"]
                 arms.append(Arm(arm.name, (*arm.overrides, *c["overrides"], *_held_out(plan)),
                                 () if t0 is None else (int(t0),)))
-            sweeps.append(dataclasses.replace(sw, alphas=(alpha,), arms=tuple(arms), grid=()))
+            if any(not a.reference for a in arms):
+                sweeps.append(dataclasses.replace(sw, alphas=(alpha,), arms=tuple(arms),
+                                                  grid=()))
     return dataclasses.replace(plan, sweeps=tuple(sweeps), tune=None)
+
+
+def load_choices(path: Path | str, plan: Plan) -> dict:
+    """A choices table written by :func:`choose` (``<out_dir>/choices.json``, or its copy
+    exported with the study's tables), checked against ``plan``: every entry names a sweep,
+    arm and alpha of the plan, its overrides are one of that arm's grid points and its T0 one
+    of the arm's T0 values; the metric, ``last`` and tuning seed are the plan's."""
+    _need_tune(plan)
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"--choices {path}: no such file; pass the choices.json that the "
+                          "tuning stage wrote (in the study's out_dir)") from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--choices {path}: not a readable JSON file ({exc})") from None
+
+    def bad(what: str) -> ConfigError:
+        return ConfigError(f"--choices {path}: {what}; it must be the choices.json the tuning "
+                           f"stage of plan {plan.name} wrote")
+
+    if not isinstance(raw, dict) or not isinstance(raw.get("choices"), list):
+        raise bad("no 'choices' list")
+    tune = plan.tune
+    for key, want in (("metric", tune.metric), ("last", tune.last), ("seed", tune.seed)):
+        if raw.get(key) != want:
+            raise bad(f"{key} is {raw.get(key)!r}, the plan's tune section says {want!r}")
+    arms = {(sw.name, arm.name, alpha): (sw, arm) for sw in plan.sweeps for arm in sw.arms
+            if not arm.reference for alpha in sw.alphas}
+    seen = set()
+    for i, c in enumerate(raw["choices"]):
+        try:
+            key = (c["sweep"], c["arm"], c["alpha"])
+            ch = c["chosen"]
+            overrides, t0 = tuple(ch["overrides"]), ch["warmup_rounds"]
+        except (KeyError, TypeError):
+            raise bad(f"entry {i} lacks sweep, arm, alpha or chosen overrides and "
+                      "warmup_rounds") from None
+        if key not in arms:
+            raise bad(f"entry {i}: {key[0]}/{key[1]} (alpha {key[2]}) is not an arm of the "
+                      "plan")
+        if key in seen:
+            raise bad(f"entry {i}: {key[0]}/{key[1]} (alpha {key[2]}) is chosen twice")
+        seen.add(key)
+        sw, arm = arms[key]
+        if overrides not in grid_points(sw, arm):
+            raise bad(f"entry {i}: overrides {list(overrides)} are not a grid point of "
+                      f"{key[0]}/{key[1]}")
+        if t0 not in (list(arm.warmup_rounds) or [None]):
+            raise bad(f"entry {i}: warmup_rounds {t0!r} is not one of {key[0]}/{key[1]}'s "
+                      f"T0 values {list(arm.warmup_rounds)}")
+    return raw

@@ -202,3 +202,54 @@ def test_a_branch_of_a_diverged_warm_up_scores_as_diverged(tmp_path):
     assert cands[(2, 1)]["status"] == "diverged" and cands[(2, 3)]["status"] == "diverged"
     assert frozen["chosen"]["grid_point"] == 3 and frozen["chosen"]["warmup_rounds"] == 3
     assert not (out / study.CHOICES_FILE).exists()  # write=False writes nothing
+
+
+def test_final_stage_of_a_slice_and_from_a_choices_file(tmp_path):
+    """--slice: the final stage needs only the selected arms tuned; --choices: it takes the
+    chosen configurations from a file, with no tuning runs present; a choices file that does
+    not fit the plan exits 2 naming it, with nothing written."""
+    path = _write(tmp_path)
+    out = tmp_path / "out"
+    res = run_cli("study", "--plan", str(path), "--out", str(out), "--stage", "tune",
+                  "--slice", "digits/fedavg+*/*")
+    assert res.returncode == 0, res.stderr[-2000:]
+    # FedAvg is tuned, the frozen arm is not: its final runs cannot be chosen yet
+    res = run_cli("study", "--plan", str(path), "--out", str(out), "--stage", "final",
+                  "--slice", "digits/frozen/*")
+    assert res.returncode == 2 and "no final run of plan tuned is selected" in res.stderr
+    res = run_cli("study", "--plan", str(path), "--out", str(out), "--stage", "final",
+                  "--slice", "digits/fedavg/*/seed=0")
+    assert res.returncode == 0, res.stderr[-2000:]
+    choices = json.loads((out / study.CHOICES_FILE).read_text())
+    assert [c["arm"] for c in choices["choices"]] == ["fedavg"]
+    assert len(choices["unfinished"]) == 8  # the frozen arm's 4 grid points x 2 T0 values
+    chosen = choices["choices"][0]["chosen"]
+    lrs = {}
+    for cand in choices["choices"][0]["candidates"]:
+        vals = global_metrics(out / study.run_key("digits", f"fedavg+{cand['grid_point']}",
+                                                  None, 0.5, 7) / "metrics.csv")["val_acc"]
+        lrs[cand["overrides"][0]] = np.mean([vals[r] for r in sorted(vals)[-2:]])
+    assert chosen["overrides"][0] == max(lrs, key=lrs.get)
+    final_dir = out / study.run_key("digits", "fedavg", None, 0.5, 0)
+    assert global_metrics(final_dir / "metrics.csv").get("test_acc")
+    assert not (out / study.run_key("digits", "fedavg", None, 0.5, 1)).exists()
+    # the same final run elsewhere, from the choices file alone: the same configuration
+    other = tmp_path / "other"
+    res = run_cli("study", "--plan", str(path), "--out", str(other), "--stage", "final",
+                  "--choices", str(out / study.CHOICES_FILE), "--slice", "digits/fedavg/*/seed=0")
+    assert res.returncode == 0, res.stderr[-2000:]
+    there = other / study.run_key("digits", "fedavg", None, 0.5, 0)
+    assert (there / "config.yaml").read_text() == (final_dir / "config.yaml").read_text()
+    assert global_metrics(there / "metrics.csv") == global_metrics(final_dir / "metrics.csv")
+    # choices that are not the plan's: exit 2, the option named, nothing written
+    bad = dict(choices)
+    bad["choices"] = [json.loads(json.dumps(choices["choices"][0]))]
+    bad["choices"][0]["chosen"]["overrides"] = ["train.lr=0.7"]
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    for args in (["--choices", str(tmp_path / "bad.json")],
+                 ["--choices", str(tmp_path / "missing.json")],
+                 ["--choices", str(out / study.CHOICES_FILE), "--stage", "tune"]):
+        fresh = tmp_path / "fresh"
+        res = run_cli("study", "--plan", str(path), "--out", str(fresh), *args)
+        assert res.returncode == 2 and "--choices" in res.stderr, res.stderr[-2000:]
+        assert not fresh.exists()
