@@ -173,7 +173,8 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
     whole selection needs is run (one process per GPU pretrains side by side).
     ``stack``: T0 families that share a model architecture and optimizer train together in
     stacked groups of at most ``stack_runs`` runs (:mod:`real_data.stacked_runs`); budget and
-    deadline then apply per stacked group.
+    deadline then apply per stacked group. A run with ``algorithm.warmup=auto`` (it forks probe
+    continuations and rolls back) trains alone, outside the stacks.
     """
 
     patterns = [pattern] if isinstance(pattern, str) else list(pattern or [])
