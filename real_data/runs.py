@@ -5,7 +5,9 @@ a directory, so a bad config writes nothing. Each round appends its rows to ``me
 (each tagged with the round's stage) and then replaces ``checkpoints/last.pt``; ``resume_run``
 drops rows newer than the checkpoint and continues, so a run killed at any point ends with the
 same ``metrics.csv`` as an uninterrupted one. A non-finite loss stops the run, keeps the last
-good checkpoint and records ``status: diverged`` in ``summary.json``.
+good checkpoint and records ``status: diverged`` in ``summary.json``. A run with
+``algorithm.warmup=auto`` also forks probe continuations between rounds and rolls back to the
+T0 they choose (:mod:`real_data.probe_runs`), resumable at any point as well.
 
 One process writes a run directory at a time: :func:`prepare_start` locks it as it creates
 it and :func:`prepare_resume` before it reads anything (:mod:`real_data.lock`);

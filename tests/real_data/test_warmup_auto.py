@@ -179,14 +179,15 @@ def test_rolled_back_run_equals_the_fixed_t0_run(runs):
         assert torch.equal(auto[name], ref[name]), name
 
 
-@pytest.mark.parametrize("flags", [("--probe-call", "10"), ("--rolled-back",)],
-                         ids=["mid-probe", "after-rollback"])
+@pytest.mark.parametrize("flags", [(), ("--probe-call", "10"), ("--rolled-back",)],
+                         ids=["warm-up", "mid-probe", "after-rollback"])
 def test_killed_auto_run_resumes_to_identical_files(runs, tmp_path, flags):
-    """Probe round 10 is the third probe's second frozen round; after the roll-back, the
-    run pauses at the second frozen round."""
+    """Warm-up: killed after round 4's rows, before its checkpoint and its probe. Probe round
+    10 is the third probe's second frozen round. After the roll-back: killed after the
+    second frozen round's rows."""
     dirs, warm = runs
     killed, marker = tmp_path / "killed", tmp_path / "paused"
-    pause_round = warm["warmup_rounds"] + 2 if flags == ("--rolled-back",) else 999
+    pause_round = {(): 4, ("--rolled-back",): warm["warmup_rounds"] + 2}.get(flags, 999)
     proc = start_paused(pause_round, marker, killed, *TINY, *AUTO, flags=flags)
     try:
         wait_paused(proc, marker, f"the run never paused ({flags})")
@@ -195,11 +196,13 @@ def test_killed_auto_run_resumes_to_identical_files(runs, tmp_path, flags):
     finally:
         if proc.poll() is None:
             proc.kill()
-    if flags[0] == "--probe-call":  # killed mid-probe: its snapshot is on disk, unrecorded
+    if flags[:1] == ("--probe-call",):  # killed mid-probe: its snapshot is on disk
         assert (killed / "checkpoints" / "probe_4.pt").is_file()
         assert not (killed / "summary.json").exists()
-    else:
+    elif flags:
         assert (killed / DISCARDED_FILE).is_file()
+    else:
+        assert not (killed / "checkpoints" / "probe_4.pt").exists()
     assert linattn_main(["run", "--resume", str(killed)]) == 0
     for name in ("metrics.csv", DISCARDED_FILE):
         assert (killed / name).read_bytes() == (dirs["auto"] / name).read_bytes(), name
