@@ -16,9 +16,11 @@ trained tensors and p_m the round's aggregation weights (sum_m p_m = P, 1 up to 
 
 so that the new global tensor is P x_t + D, the update norm is ||D|| and the dispersion of
 ``real_data.metrics.update_dispersion`` is sqrt(sum_m p_m ||Delta_m - D||^2)
-= sqrt(S2 - (2 - P) ||D||^2). Any other algorithm (SCAFFOLD, FedTP, FedFrozen's ``auto`` probe
-rounds, one registered later) gets an all-gather of the round's client results instead: every
-rank then runs the algorithm's own update on all C clients (exact, but C x P numbers a round).
+= sqrt(S2 - (2 - P) ||D||^2). Any other algorithm (SCAFFOLD, FedTP, FedFrozen before an online
+rule fixes T0, one registered later) gets an all-gather of the round's client results instead:
+every rank then runs the algorithm's own update on all C clients (exact, but C x P numbers a
+round). FedFrozen's ``warmup=auto`` forks probe continuations and rolls back, so it runs in one
+process only (the federation refuses it here).
 
 Rank 0 builds the run (config, partition, directory, checkpoints) with
 :func:`real_data.runs.start_run` / :func:`~real_data.runs.resume_run` and is the only writer; it
@@ -51,7 +53,7 @@ REDUCIBLE: dict[str, Callable[[dict], bool]] = {
     "fedprox": lambda server_state: True,
     "fedpart": lambda server_state: True,
     "fedsq": lambda server_state: True,
-    # FedFrozen averages like FedAvg once T0 is known; its auto probe needs every client
+    # FedFrozen averages like FedAvg once T0 is known (before an online rule fires: gathered)
     "fedfrozen": lambda server_state: server_state.warmup_rounds is not None,
 }
 """Algorithm name -> whether its round can be reduced to the p-weighted sum of the updates

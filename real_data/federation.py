@@ -99,6 +99,15 @@ class RoundWork:
     job: LocalJob | None = None
 
 
+class RoundDraws(NamedTuple):
+    """A round's random draws given from outside (:meth:`Federation.begin_round`): the sorted
+    client ids, their minibatch plan (``engines.Batches``) and the dropout seed."""
+
+    ids: np.ndarray
+    batches: Any
+    dropout_seed: int
+
+
 def sample_clients(seed: int, rnd: int, num_clients: int, per_round: int | None) -> np.ndarray:
     """Sorted ids of the clients of round ``rnd``, from ``default_rng([seed, rnd])``."""
     if per_round is None or per_round >= num_clients:
@@ -207,12 +216,17 @@ class Federation:
             trained = self.trainer(self, state, rnd, work.plan, work.ids, work.weights)
         return self.finish_round(state, rnd, work, trained)
 
-    def begin_round(self, state: FedState, rnd: int, job: bool = True) -> RoundWork:
+    def begin_round(self, state: FedState, rnd: int, job: bool = True,
+                    draws: RoundDraws | None = None) -> RoundWork:
         """1. Who takes part in round ``rnd``, what trains, with which weights, learning rate
-        and minibatches (``job``: also build the engine's :class:`LocalJob`)."""
+        and minibatches (``job``: also build the engine's :class:`LocalJob`).
+
+        ``draws``: the clients, minibatches and dropout seed to use instead of round ``rnd``'s
+        own (a probe continuation of ``algorithm.warmup=auto`` gives every probe the same
+        ones); the plan and learning rate stay round ``rnd``'s."""
         cfg, algo = self.cfg, self.algorithm
         ids = sample_clients(cfg.role_seed("sampling"), rnd, self.partition.num_clients,
-                             cfg.train.clients_per_round)
+                             cfg.train.clients_per_round) if draws is None else draws.ids
         plan = algo.plan_round(rnd, state.server_state)
         w = self.sizes[ids]
         lr = self.round_lr(state, rnd)
@@ -222,7 +236,7 @@ class Federation:
                          BYTES_PER_NUMBER * algo.download_numel(plan, ids, state.server_state),
                          lr)
         if job:
-            work.job = self.local_job(state, rnd, plan, ids)
+            work.job = self.local_job(state, rnd, plan, ids, draws=draws)
         return work
 
     def prefetch(self, rnd: int) -> None:
@@ -336,6 +350,11 @@ class Federation:
             raise ConfigError(f"algorithm.name={name} with these settings "
                               f"({_settings(self.cfg)}) reads the validation split; set "
                               "partition.validation_fraction (e.g. 0.1)")
+        if algo.forks_run and self.trainer is not None:
+            raise ConfigError(f"algorithm.name={name} ({_settings(self.cfg)}) forks probe "
+                              "continuations and rolls the run back, which runs in one "
+                              "process: run it without --distributed or Flower, or set "
+                              "algorithm.warmup to fixed or an online rule")
         batch = algo.attention_probe_batch
         if batch is not None:
             if not any(isinstance(m, Attention) for m in self.model.modules()):
@@ -373,9 +392,10 @@ class Federation:
         return self.engine(job)
 
     def local_job(self, state: FedState, rnd: int, plan, ids: np.ndarray,
-                  lr: float | None = None) -> LocalJob:
+                  lr: float | None = None, draws: RoundDraws | None = None) -> LocalJob:
         """The engine's job for the clients ``ids`` in round ``rnd`` (``lr``: the round's
-        learning rate, by default from the schedule)."""
+        learning rate, by default from the schedule; ``draws``: minibatches and dropout seed
+        in place of round ``rnd``'s, see :meth:`begin_round`)."""
         cfg, algo = self.cfg, self.algorithm
         lr = self.round_lr(state, rnd) if lr is None else lr
         idx = torch.as_tensor(ids, device=self.device)
@@ -385,10 +405,11 @@ class Federation:
             self.model.train(self._dropout > 0)
         return LocalJob(
             model=self.model, algorithm=algo, global_params=state.global_params,
-            trainable=plan.trainable, batches=self.planner.plan(ids, rnd), x=self.x_train,
-            y=self.y_train, optimizer=optimizer, client_ids=ids,
+            trainable=plan.trainable,
+            batches=self.planner.plan(ids, rnd) if draws is None else draws.batches,
+            x=self.x_train, y=self.y_train, optimizer=optimizer, client_ids=ids,
             dropout_seed=int(np.random.SeedSequence([cfg.role_seed("training"), rnd])
-                             .generate_state(1)[0]),
+                             .generate_state(1)[0]) if draws is None else draws.dropout_seed,
             overrides=algo.client_start(ids, state.global_params, state.client_state,
                                         state.server_state),
             client_state={k: v[idx] for k, v in state.client_state.items()},

@@ -13,8 +13,12 @@ Layout::
       summary.json       status, final and best metrics, wall time, code version, libraries,
                          device
       curves.png         learning curves (accuracy, loss) with the stages shaded and T0 marked
+      curves_probe.png   algorithm.warmup=auto: the probes' predictions, T0 marked
+      probe_discarded.csv  algorithm.warmup=auto: the rows of the warm-up rounds after T0
+                         that the roll-back discarded (metrics.csv's columns)
       checkpoints/last.pt            the last good state, with every RNG state
       checkpoints/round_<t>.pt       snapshots kept for branching (T0 sweeps)
+      checkpoints/probe_<t>.pt       algorithm.warmup=auto: snapshots that can still be T0
       snapshot_rounds.json           their rounds (so that a resumed run keeps them too)
       tensorboard/       optional (run.tensorboard=true; the ``tensorboard`` extra)
 
@@ -45,7 +49,7 @@ HEADER = "round,client,metric,value,stage\n"
 
 # metrics that count things (bytes, FLOPs, parameters, rounds): integers in summary.json
 COUNT_METRICS = frozenset({"bytes_up", "bytes_down", "train_flops", "trainable_params",
-                           "warmup_rounds_recommended", "fedpart_group"})
+                           "fedpart_group"})
 
 
 SNAPSHOTS_FILE = "snapshot_rounds.json"  # the rounds start_run was asked to keep
@@ -148,6 +152,37 @@ def truncate_rows(path: Path, last_round: int) -> None:
         if rnd <= last_round:
             keep.append(line)
     atomic_write_text(path, "".join(keep))
+
+
+def header_of(path: Path) -> str:
+    """The header line of a CSV file written here (with its newline)."""
+    return _lines(path)[0]
+
+
+def rows_after(path: Path, last_round: int) -> list[str]:
+    """The complete rows (lines) of a CSV file with round > ``last_round``."""
+    if not path.exists():
+        return []
+    return [line for line in _lines(path)[1:]
+            if line.endswith("\n") and line.split(",", 1)[0].strip().isdigit()
+            and int(line.split(",", 1)[0]) > last_round]
+
+
+def drop_rows(path: Path, rnd: int, metrics) -> None:
+    """Remove the global rows of round ``rnd`` whose metric is one of ``metrics`` (a run
+    resumed at a probe round drops the probe rows a killed process wrote)."""
+    if not path.exists():
+        return
+    lines = _lines(path)
+    prefixes = tuple(f"{rnd},global,{m}," for m in metrics)
+    kept = [line for line in lines[1:] if not line.startswith(prefixes)]
+    if len(kept) < len(lines) - 1:
+        atomic_write_text(path, lines[0] + "".join(kept))
+
+
+def write_text(path: Path, text: str) -> None:
+    """``text`` written atomically (mode 0644)."""
+    atomic_write_text(path, text)
 
 
 def read_global_metrics(path: Path) -> dict[str, list[tuple[int, float]]]:
@@ -305,6 +340,42 @@ def plot_curves(metrics_path: Path, out: Path, title: str) -> None:
         fig.legend(handles=[Patch(color=colour[n], label=n) for n in names], title="stage",
                    loc="outside lower center", ncol=min(len(names), 8), fontsize=8,
                    title_fontsize=8, frameon=False)
+    try:
+        with atomic_path(out) as tmp:
+            fig.savefig(tmp, format="png", dpi=120)
+    finally:
+        plt.close(fig)
+
+
+def plot_probe(warmup: dict, out: Path, title: str) -> None:
+    """``algorithm.warmup=auto``: each snapshot's predicted final validation loss (eq. 36)
+    against its round, the chosen T0, the round warm-up stopped at and, when the run reached
+    T, the never-freeze loss (linear axes; matplotlib lazily)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    snaps, preds = warmup["snapshots"], warmup["predictions"]
+    fig, ax = plt.subplots(figsize=(6, 4), layout="constrained")
+    ax.plot(snaps, preds, marker="o", ms=3, label="prediction P_t (eq. 36)")
+    t0 = warmup["warmup_rounds"]
+    ax.axvline(t0, color="0.15", ls="--", lw=1.2, label=f"chosen T0 = {t0}")
+    if warmup["stopped_at"] != t0:
+        ax.axvline(warmup["stopped_at"], color="0.55", ls=":", lw=1.2,
+                   label=f"warm-up stopped at {warmup['stopped_at']}")
+    if warmup.get("continuing_loss") is not None:
+        ax.axhline(warmup["continuing_loss"], color="tab:red", ls="-.", lw=1.0,
+                   label="never freeze (validation loss at T)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("snapshot round t (freeze after t)", fontsize=10)
+    ax.set_ylabel("predicted validation loss at T", fontsize=10)
+    ax.tick_params(labelsize=9)
+    ax.grid(True, color="0.88", lw=0.6)
+    ax.set_axisbelow(True)
+    ax.legend(fontsize=8, frameon=False)
+    ax.set_title(title, fontsize=9)
     try:
         with atomic_path(out) as tmp:
             fig.savefig(tmp, format="png", dpi=120)

@@ -5,7 +5,9 @@ a directory, so a bad config writes nothing. Each round appends its rows to ``me
 (each tagged with the round's stage) and then replaces ``checkpoints/last.pt``; ``resume_run``
 drops rows newer than the checkpoint and continues, so a run killed at any point ends with the
 same ``metrics.csv`` as an uninterrupted one. A non-finite loss stops the run, keeps the last
-good checkpoint and records ``status: diverged`` in ``summary.json``.
+good checkpoint and records ``status: diverged`` in ``summary.json``. A run with
+``algorithm.warmup=auto`` also forks probe continuations between rounds and rolls back to the
+T0 they choose (:mod:`real_data.probe_runs`), resumable at any point as well.
 
 One process writes a run directory at a time: :func:`prepare_start` locks it as it creates
 it and :func:`prepare_resume` before it reads anything (:mod:`real_data.lock`);
@@ -375,7 +377,22 @@ def _train(prep: Prepared, on_round_end: RoundHook | None) -> RunResult:
     status, message = "completed", ""
     if fed.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(fed.device)
-    for rnd in range(state.round + 1, fed.cfg.train.rounds + 1):
+    probes = None
+    if fed.algorithm.forks_run:  # warmup=auto: probes, a decision and a roll-back
+        from real_data.probe_runs import ProbeDriver
+
+        probes = ProbeDriver(fed, prep.run_dir, log)
+        probes.prepare_resume(state)
+    while True:
+        if probes is not None:
+            try:
+                state = probes.before_round(state)
+            except Diverged as exc:
+                status, message = "diverged", f"a probe continuation: {exc}"
+                break
+        rnd = state.round + 1
+        if rnd > fed.cfg.train.rounds:
+            break
         # 1. one round; on NaN keep the last good checkpoint and stop. plan_round depends only
         #    on (round, server state), so this is the plan run_round follows
         stage = fed.algorithm.plan_round(rnd, state.server_state).stage
@@ -419,6 +436,8 @@ def _finish(fed, state, run_dir, elapsed, status, message) -> RunResult:
     rundir.write_json(run_dir / "summary.json", summary)
     if fed.cfg.run.plot and state.round > 0:
         rundir.plot_curves(run_dir / "metrics.csv", run_dir / "curves.png", run_dir.name)
+        if summary.get("warmup", {}).get("rule") == "auto":
+            rundir.plot_probe(summary["warmup"], run_dir / "curves_probe.png", run_dir.name)
     return RunResult(run_dir, status, state.round, message, summary)
 
 

@@ -13,6 +13,10 @@ written by the same :class:`~real_data.runs.RunLog` as a run trained alone. Per 
 4. a run with T0 branches forks each branch from its snapshot at that round, and the branch
    joins the group for the rounds that follow.
 
+A run that forks probe continuations and rolls back (``algorithm.warmup=auto``,
+:func:`trains_alone`) shares no stacked round: :func:`run_group` trains it alone after the
+group, and :func:`plan_groups` gives it a group of its own.
+
 A run's result depends only on its own config, not on the group it trains in (up to the order
 of summation in batched kernels: tests hold stacked and per-run metrics within 1e-6 in float64).
 A killed group resumes from each run's last checkpoint; runs checkpointed at the same rounds
@@ -88,6 +92,14 @@ class _Member:
         return self.prep.fed
 
 
+def trains_alone(cfg: Config) -> bool:
+    """A run that forks probe continuations and rolls back (FedFrozen with
+    ``algorithm.warmup=auto``, :mod:`real_data.probe_runs`) cannot share a stacked round:
+    :func:`run_group` trains it alone, after the group."""
+    return cfg.algorithm.name == "fedfrozen" and \
+        getattr(cfg.algorithm.params, "warmup", None) == "auto"
+
+
 def stack_key(cfg: Config) -> tuple:
     """Runs with equal keys can train in one group: the same model architecture, data set,
     precision, device, engine, minibatch size, local steps and optimizer (up to its lr)."""
@@ -148,6 +160,13 @@ def run_group(requests: list[RunRequest], dataset=None, device: torch.device | N
 
     if compile not in ("auto", "always", "never"):
         raise ValueError(f"compile={compile!r}: one of 'auto', 'always', 'never'")
+    alone = [r for r in requests
+             if trains_alone(r.cfg if r.cfg is not None else _saved_config(r.run_dir))]
+    for r in alone:
+        if r.branches:
+            raise UserError(f"run {r.run_dir}: algorithm.warmup=auto decides its own T0 and "
+                            "rolls back, so no T0 branch can fork from it")
+    requests = [r for r in requests if r not in alone]
     members, now = [], []
     for r in requests:
         got = guarded(r.label if r.label is not None else r.run_dir, _member, r, dataset,
@@ -230,7 +249,24 @@ def run_group(requests: list[RunRequest], dataset=None, device: torch.device | N
                     members.append(branch)
     if cuda:
         release_device_caches()
+    for r in alone:  # forking runs (warmup=auto): each alone, as train_prepared trains it
+        label = r.label if r.label is not None else r.run_dir
+        got = guarded(label, _train_alone, r, dataset, device, on_round_end)
+        if got is not FAILED:
+            results.append((r.label, got))
     return results
+
+
+def _train_alone(req: RunRequest, dataset, device, hook) -> RunResult:
+    from real_data.runs import train_prepared
+
+    if req.resume:
+        prep = prepare_resume(req.run_dir, dataset=dataset, device=device)
+    else:
+        prep = prepare_start(req.cfg, out=req.run_dir, dataset=dataset,
+                             partition=req.partition, snapshot_rounds=req.snapshot_rounds,
+                             device=device)
+    return train_prepared(prep, hook)
 
 
 def evaluate_group(items: list[tuple], compiled: bool = False
@@ -356,8 +392,12 @@ def plan_groups(requests: list[RunRequest], num_params: Callable[[Config], int],
     most ``max_runs``. A run that cannot fit alone is a :class:`UserError` naming it."""
     groups: dict[tuple, list[list[RunRequest]]] = {}
     budget = fraction * free_bytes
+    alone = []
     for r in requests:
         cfg = r.cfg if r.cfg is not None else _saved_config(r.run_dir)
+        if trains_alone(cfg):
+            alone.append([r])
+            continue
         need = estimate_run_bytes(cfg, num_params(cfg)) * (1 + len(r.branches))
         if need > budget:
             raise UserError(f"run {r.run_dir} needs about {need / 2**30:.2f} GiB in a group "
@@ -373,7 +413,7 @@ def plan_groups(requests: list[RunRequest], num_params: Callable[[Config], int],
         if last and (used + need > budget or runs + 1 + len(r.branches) > max_runs):
             chunks.append([])
         chunks[-1].append(r)
-    return [c for chunks in groups.values() for c in chunks if c]
+    return [c for chunks in groups.values() for c in chunks if c] + alone
 
 
 def _saved_config(run_dir: Path) -> Config:

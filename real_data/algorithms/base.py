@@ -246,6 +246,12 @@ class Algorithm:
         return False
 
     @property
+    def forks_run(self) -> bool:
+        """True when the run forks probe continuations and may roll back
+        (:mod:`real_data.probe_runs`): it trains alone, in one process; default False."""
+        return False
+
+    @property
     def attention_probe_batch(self) -> int | None:
         """Pooled validation inputs on which :meth:`observe_round` reads attention rows
         (``attention_scores()``), or None when it reads none; default None."""

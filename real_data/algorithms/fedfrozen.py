@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import torch
 
-from linattn.errors import ConfigError, UserError
+from linattn.errors import ConfigError
 from linattn_theory.errors import ParameterError
 from linattn_theory.freeze_rules import RULES, FreezeRule, make_rule, parse_rule
-from linattn_theory.warmup import WarmupConstants, recommend_warmup
 from real_data.algorithms.base import Algorithm, RoundPlan, ServerUpdate
-from real_data.algorithms.warmup_probe import estimate_constants, round_statistics
 from real_data.models.groups import GROUP_KINDS, names_of_kind
 
 
@@ -26,20 +24,27 @@ class FedFrozenParams:
         T0: rounds 1..T0 are FedAvg on the full model; from round T0 + 1 the query/key
         projections stay at their round-T0 global values. Required when ``warmup="fixed"``.
     warmup : str
-        ``fixed`` (T0 = ``warmup_rounds``), ``auto``: T0 is recommended by
-        ``linattn_theory.warmup.recommend_warmup`` from constants measured during the first
-        ``probe_rounds`` warm-up rounds (:mod:`real_data.algorithms.warmup_probe` documents the
-        estimators; T0 >= probe_rounds), or an online freeze rule of
+        ``fixed`` (T0 = ``warmup_rounds``), ``auto``: the probe estimator of eq. (36)
+        (:mod:`linattn_theory.probe`, run by :mod:`real_data.probe_runs`): every
+        ``probe_interval`` warm-up rounds the run forks a freeze-now continuation of
+        ``probe_rounds`` frozen rounds, stops warming up when the predicted losses rise, rolls
+        back to the best snapshot and freezes there (T0 = T: never), or an online freeze rule of
         :mod:`linattn_theory.freeze_rules` (``perturbation``, ``norm_change``,
         ``norm_change_median``, ``kernel_stability``, ``plateau``, ``fraction=f``): the rule
         watches the warm-up rounds and freezes after the round it fires (never: T0 = T).
-        ``plateau`` and ``kernel_stability`` need a validation split
+        ``auto``, ``plateau`` and ``kernel_stability`` need a validation split
         (``partition.validation_fraction``); ``plateau`` observes the rounds that evaluate.
     train : {"all_but_qk", "v"}
         What trains after T0: everything except Q/K, or the value projections only (the
         restricted value-block problem of the theory).
     probe_rounds : int
-        Number of warm-up rounds measured for ``warmup="auto"`` (at least 2).
+        ``warmup=auto``: frozen rounds r of each probe continuation (>= 2; default 10, as
+        ``linattn_theory.sampled.probe_run``).
+    probe_interval : int or None
+        ``warmup=auto``: rounds between snapshots (1..T; default max(1, T // 25)).
+    probe_patience, probe_window, probe_margin : int, int, float
+        ``warmup=auto``: the selection rule's ``patience`` (>= 1), ``window`` (>= 1) and
+        ``margin`` (>= 0) of :class:`linattn_theory.probe.ProbeSelector` (defaults 4, 4, 1).
     probe_batch : int
         Validation inputs (evenly spaced over the pooled validation split) on which
         ``warmup=kernel_stability`` reads the attention rows each round (default 64).
@@ -55,9 +60,13 @@ class FedFrozenParams:
     warmup_rounds: int | None = None
     warmup: str = "fixed"
     train: Literal["all_but_qk", "v"] = "all_but_qk"
-    probe_rounds: int = 5
+    probe_rounds: int = 10
     freeze: Literal["qk", "v_attn_out"] = "qk"
     probe_batch: int = 64
+    probe_interval: int | None = None
+    probe_patience: int = 4
+    probe_window: int = 4
+    probe_margin: float = 1.0
 
     @property
     def rule(self) -> str | None:
@@ -80,7 +89,17 @@ class FedFrozenParams:
         if self.warmup_rounds is not None and self.warmup_rounds < 0:
             raise ConfigError(f"algorithm.warmup_rounds={self.warmup_rounds} must be >= 0")
         if self.probe_rounds < 2:
-            raise ConfigError(f"algorithm.probe_rounds={self.probe_rounds} must be >= 2")
+            raise ConfigError(f"algorithm.probe_rounds={self.probe_rounds} must be >= 2 (the "
+                              "frozen rounds of each probe continuation)")
+        if self.probe_interval is not None and self.probe_interval < 1:
+            raise ConfigError(f"algorithm.probe_interval={self.probe_interval} must be >= 1 "
+                              "(rounds between snapshots), or null for max(1, T // 25)")
+        for key in ("probe_patience", "probe_window"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"algorithm.{key}={getattr(self, key)} must be >= 1")
+        if not self.probe_margin >= 0:
+            raise ConfigError(f"algorithm.probe_margin={self.probe_margin} must be >= 0 (in "
+                              "units of the predictions' noise sigma)")
         if self.freeze == "v_attn_out" and self.train == "v":
             raise ConfigError("algorithm.freeze=v_attn_out freezes the value projections, so "
                               "algorithm.train=v leaves nothing to train; use "
@@ -96,18 +115,16 @@ class FedFrozenState:
     holds_qk : np.ndarray
         ``(num_clients,)`` bool: the client has received the frozen Q/K.
     warmup_rounds : int or None
-        T0; with ``warmup="auto"`` ``None`` until the probe has recommended it.
-    probe : list of dict
-        The probe rounds' statistics (:func:`~real_data.algorithms.warmup_probe.
-        round_statistics`), kept until T0 is recommended.
-    constants : dict or None
-        The measured constants, the loss floor, the regime and the recommended T0 (auto).
+        T0; with ``warmup="auto"`` or a rule ``None`` until decided.
+    probe : dict or None
+        ``warmup="auto"``: the probe estimator's record (:class:`real_data.probe_runs.
+        ProbeDriver` writes it): the snapshot rounds and their validation curves, the round
+        warm-up stopped at, the decision and its summary.
     """
 
     holds_qk: np.ndarray
     warmup_rounds: int | None = None
-    probe: list[dict] = field(default_factory=list)
-    constants: dict | None = None
+    probe: dict | None = None
     rule: FreezeRule | None = None
     pending: dict | None = None
     rule_seconds: float = 0.0
@@ -131,9 +148,9 @@ class FedFrozen(Algorithm):
         if params.warmup == "fixed" and params.warmup_rounds > t_total:
             raise ConfigError(f"algorithm.warmup_rounds={params.warmup_rounds} exceeds "
                               f"train.rounds={t_total}; allowed: 0..{t_total}")
-        if params.warmup == "auto" and params.probe_rounds > t_total:
-            raise ConfigError(f"algorithm.probe_rounds={params.probe_rounds} exceeds "
-                              f"train.rounds={t_total}")
+        if params.warmup == "auto" and (params.probe_interval or 1) > t_total:
+            raise ConfigError(f"algorithm.probe_interval={params.probe_interval} exceeds "
+                              f"train.rounds={t_total}; allowed: 1..{t_total}")
         # the block frozen after T0 (and sent to a client once): Q/K, or the control's V/out
         self.qk = (names_of_kind(ctx.groups, "qk") if params.freeze == "qk"
                    else names_of_kind(ctx.groups, "v", "attn_out"))
@@ -153,9 +170,22 @@ class FedFrozen(Algorithm):
 
     @property
     def needs_validation(self) -> bool:
-        """True when the warm-up rule reads the validation split."""
+        """True when the warm-up rule (or ``auto``'s probes) reads the validation split."""
         rule = self.params.rule
+        if self.params.warmup == "auto":
+            return True
         return rule is not None and rule.partition("=")[0] in ("plateau", "kernel_stability")
+
+    @property
+    def forks_run(self) -> bool:
+        """``warmup=auto`` forks probe continuations and rolls the run back."""
+        return self.params.warmup == "auto"
+
+    @property
+    def probe_interval(self) -> int:
+        """Rounds between the snapshots of ``warmup=auto`` (default max(1, T // 25))."""
+        t = self.ctx.total_rounds
+        return self.params.probe_interval or max(1, t // 25)
 
     @property
     def attention_probe_batch(self) -> int | None:
@@ -183,11 +213,8 @@ class FedFrozen(Algorithm):
 
     def server_update(self, rnd, plan, client_ids, global_params, results, weights,
                       server_state):
-        metrics = {}
         if plan.stage == "frozen":
             server_state.holds_qk[client_ids] = True
-        elif self.params.warmup == "auto" and server_state.warmup_rounds is None:
-            metrics = self._probe(rnd, global_params, results, weights, server_state)
         update = super().server_update(rnd, plan, client_ids, global_params, results, weights,
                                        server_state)
         rule = server_state.rule
@@ -206,7 +233,7 @@ class FedFrozen(Algorithm):
                                   if n not in self.qk])}
             server_state.pending = pending
             server_state.rule_seconds += time.perf_counter() - start
-        return ServerUpdate(update.params, metrics)
+        return ServerUpdate(update.params)
 
     def observe_round(self, rnd, metrics, state, attention_scores) -> dict:
         """Feed the warm-up rule this round's signals; when it fires, T0 = ``rnd``."""
@@ -233,31 +260,6 @@ class FedFrozen(Algorithm):
             out["freeze_rule_signal"] = rule.signal[-1]
         return out
 
-    def _probe(self, rnd, global_params, results, weights,
-               server_state: FedFrozenState) -> dict[str, float]:
-        """Record a probe round; after the last one set T0 and return the measured constants
-        as metrics (none before)."""
-        probe = server_state.probe
-        probe.append(round_statistics(global_params, results.params, results.first_loss,
-                                      results.steps, weights, self.round_lr))
-        if len(probe) < self.params.probe_rounds:
-            return {}
-        est = estimate_constants(probe, self.ctx.optimizer.lr, self.ctx.total_rounds)
-        floor = est.pop("loss_floor")
-        try:
-            rec = recommend_warmup(WarmupConstants(**est), regime="auto")
-        except ValueError as exc:  # the theory rejects the measured constants
-            raise UserError(f"algorithm.warmup=auto: no T0 from the probe constants {est} "
-                            f"({exc}); set algorithm.warmup=fixed and warmup_rounds") from exc
-        t0 = int(np.clip(rec.warmup_rounds, rnd, self.ctx.total_rounds))
-        server_state.warmup_rounds = t0
-        server_state.constants = {**est, "loss_floor": floor, "regime": rec.regime,
-                                  "recommended": int(rec.warmup_rounds)}
-        server_state.probe = []  # T0 is set: the probe's flat vectors are not needed again
-        metrics = {f"probe_{k}": float(v) for k, v in est.items()}
-        metrics.update(probe_loss_floor=floor, warmup_rounds_recommended=float(t0))
-        return metrics
-
     def run_summary(self, server_state: FedFrozenState) -> dict:
         rule = server_state.rule
         if rule is not None:
@@ -266,10 +268,10 @@ class FedFrozen(Algorithm):
                 else rule.fired_at, "warmup_rounds": rule.warmup_rounds,
                 "rule_seconds": server_state.rule_seconds,
                 "rule_state_bytes": rule.state_bytes}}
-        if server_state.constants is None:
+        probe = server_state.probe
+        if probe is None or "summary" not in probe:
             return {}
-        return {"warmup": {"warmup_rounds": server_state.warmup_rounds,
-                           "constants": server_state.constants}}
+        return {"warmup": {"rule": "auto", **probe["summary"]}}
 
     def tag(self) -> str:
         t0 = (str(self.params.warmup_rounds) if self.params.warmup == "fixed"

@@ -1,13 +1,16 @@
 """Start a run that stops between a round's metrics rows and its checkpoint, for kill tests.
 
     python tests/real_data/pause_run.py --round N --marker FILE --out RUN_DIR [--distributed]
-        key=value ...
+        [--rolled-back] [--probe-call K] key=value ...
 
 The run (the shipped ``digits_vit`` config with the overrides) goes through
 :func:`real_data.runs.start_run` (or, with ``--distributed`` under torchrun,
 :func:`real_data.distributed.run_distributed`) with an ``on_round_end`` hook that, after round
 N's rows are written, creates FILE and waits forever, so the test can SIGKILL the process at the
-one point where ``metrics.csv`` is ahead of ``checkpoints/last.pt``.
+one point where ``metrics.csv`` is ahead of ``checkpoints/last.pt``. ``--rolled-back``
+(``algorithm.warmup=auto``): only once the run has rolled back to its T0 (round N of the
+frozen stage). ``--probe-call K``: pause instead after the K-th frozen round of the probe
+continuations, in the middle of a probe.
 """
 
 from __future__ import annotations
@@ -21,16 +24,38 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def pause_at(round_: int, marker: Path):
-    """An ``on_round_end`` hook: after round ``round_``'s rows, write ``marker`` and hang."""
+def _hang(marker: Path, text: str) -> None:
+    marker.write_text(text)
+    while True:
+        time.sleep(1)
+
+
+def pause_at(round_: int, marker: Path, rolled_back: bool = False):
+    """An ``on_round_end`` hook: after round ``round_``'s rows (``rolled_back``: once the run
+    has rolled back, see the module docstring), write ``marker`` and hang."""
 
     def hook(rnd: int, run_dir: Path) -> None:
-        if rnd == round_:
-            marker.write_text(str(rnd))
-            while True:
-                time.sleep(1)
+        if rnd == round_ and (not rolled_back or (run_dir / "probe_discarded.csv").exists()):
+            _hang(marker, str(rnd))
 
     return hook
+
+
+def pause_in_probe(call: int, marker: Path) -> None:
+    """Hang after the ``call``-th frozen round of the probe continuations (warmup=auto)."""
+    from real_data.probe_runs import ProbeDriver
+
+    fork_round = ProbeDriver.fork_round
+    calls = [0]
+
+    def counted(self, *args, **kwargs):
+        out = fork_round(self, *args, **kwargs)
+        calls[0] += 1
+        if calls[0] == call:
+            _hang(marker, f"probe round {call}")
+        return out
+
+    ProbeDriver.fork_round = counted
 
 
 def command(*args: str) -> list[str]:
@@ -38,11 +63,13 @@ def command(*args: str) -> list[str]:
     return [sys.executable, __file__, *args]
 
 
-def start(round_: int, marker: Path, out: Path, *overrides: str) -> subprocess.Popen:
+def start(round_: int, marker: Path, out: Path, *overrides: str,
+          flags: tuple[str, ...] = ()) -> subprocess.Popen:
     """This file in a subprocess: a run of ``overrides`` into ``out`` that pauses after round
-    ``round_``'s rows (stderr piped for :func:`wait_paused`)."""
+    ``round_``'s rows (``flags``: ``--rolled-back``, ``--probe-call K``; stderr piped for
+    :func:`wait_paused`)."""
     return subprocess.Popen(command("--round", str(round_), "--marker", str(marker), "--out",
-                                    str(out), *overrides), cwd=REPO,
+                                    str(out), *flags, *overrides), cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
@@ -68,10 +95,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--marker", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--distributed", action="store_true")
+    ap.add_argument("--rolled-back", action="store_true")
+    ap.add_argument("--probe-call", type=int)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     cfg = load_config("digits_vit", args.overrides)
-    hook = pause_at(args.round, args.marker)
+    hook = pause_at(args.round, args.marker, args.rolled_back)
+    if args.probe_call is not None:
+        pause_in_probe(args.probe_call, args.marker)
     if args.distributed:
         from real_data.distributed import run_distributed
 

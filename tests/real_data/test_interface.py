@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from conftest import federation, random_partition, tiny_config, train_rounds
 
 from real_data.algorithms import FedAvg, RoundPlan
-from real_data.algorithms.warmup_probe import fit_geometric
 from real_data.models import names_of_kind
 
 
@@ -93,8 +91,3 @@ def test_frozen_stage_costs_fewer_flops_and_bytes(digits):
     assert get[(2, "bytes_down")] > get[(2, "bytes_up")]
 
 
-def test_geometric_fit_recovers_its_parameters():
-    t = np.arange(8)
-    floor, d0, rho = fit_geometric(0.3 + 2.0 * 0.7**t)
-    assert floor == pytest.approx(0.3, abs=0.01)
-    assert d0 == pytest.approx(2.0, rel=0.01) and rho == pytest.approx(0.7, abs=0.002)

@@ -115,13 +115,13 @@ def test_summary_counts_are_integers(tmp_path):
         assert type(summary["final"][key]) is int, key
     assert type(summary["best"]["test_acc"]["round"]) is int
     assert isinstance(summary["final"]["test_acc"], float)
-    # a count logged as a float in metrics.csv (warmup_rounds_recommended=3.0) is an int
+    # a count logged as a float in metrics.csv (fedpart_group=3.0) is an int
     path = tmp_path / "metrics.csv"
-    path.write_text(rundir.HEADER + "1,global,warmup_rounds_recommended,3.0,warmup\n"
-                    "1,global,test_acc,0.5,warmup\n")
+    path.write_text(rundir.HEADER + "1,global,fedpart_group,3.0,group3\n"
+                    "1,global,test_acc,0.5,group3\n")
     final = rundir.summarize(path)["final"]
-    assert final == {"warmup_rounds_recommended": 3, "test_acc": 0.5}
-    assert type(final["warmup_rounds_recommended"]) is int
+    assert final == {"fedpart_group": 3, "test_acc": 0.5}
+    assert type(final["fedpart_group"]) is int
 
 
 def test_tensorboard_logging_writes_an_event_file(tmp_path):
