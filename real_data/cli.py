@@ -292,6 +292,8 @@ def _study(argv: list[str]) -> int:
                 paths = study.write_tables(rows, folder, runs)
                 if stage == "final":
                     paths += study.write_comparison(runs, folder)
+                    if folder != plan.out_dir / "tables":  # the choices the final runs use
+                        paths.append(study.export_choices(full, folder, choices))
                 print(f"wrote {', '.join(str(p) for p in paths)}")
     if args.list or args.pretrain_only:
         return 0

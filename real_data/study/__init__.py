@@ -96,6 +96,7 @@ from real_data.study.tables import (
 from real_data.study.tuning import (
     CHOICES_FILE,
     choose,
+    export_choices,
     final_plan,
     grid_points,
     load_choices,
@@ -116,6 +117,7 @@ __all__ = [
     "Tune",
     "choose",
     "compare",
+    "export_choices",
     "final_plan",
     "load_choices",
     "grid_points",

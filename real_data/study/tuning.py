@@ -136,14 +136,15 @@ def _t0_of(run_dir: Path) -> int:
 def choose(plan: Plan, write: bool = True, partial: bool = False) -> dict:
     """The chosen grid point and T0 of every (sweep, arm, alpha), from the finished tuning
     runs; raises ConfigError naming the missing runs while tuning is unfinished. With
-    ``partial``, a (sweep, arm, alpha) whose tuning is unfinished is left out instead and its
-    missing runs are listed under ``"unfinished"``. With ``write``, the whole table goes to
+    ``partial``, a (sweep, arm, alpha) whose tuning is unfinished is left out instead and
+    listed under ``"unfinished"`` with the number of its runs not final. With ``write``, the whole table goes to
     ``<out_dir>/choices.json``."""
     _need_tune(plan)
     tune = plan.tune
     higher = tune.metric.endswith("acc")
     out, missing = {"metric": tune.metric, "last": tune.last, "seed": tune.seed,
                     "choices": []}, []
+    unfinished = []
     for sw in plan.sweeps:
         for arm in sw.arms:
             if arm.reference:
@@ -166,8 +167,11 @@ def choose(plan: Plan, write: bool = True, partial: bool = False) -> dict:
                             continue
                         cands.append({"grid_point": i, "overrides": list(point),
                                       "warmup_rounds": t0, "score": score, "status": status})
-                if not cands or len(cands) < len(points) * len(arm.warmup_rounds or (None,)):
-                    continue  # unfinished: its missing runs are listed
+                need = len(points) * len(arm.warmup_rounds or (None,))
+                if len(cands) < need:
+                    unfinished.append({"sweep": sw.name, "arm": arm.name, "alpha": alpha,
+                                       "runs_not_final": need - len(cands)})
+                    continue
                 best = (max if higher else min)(cands, key=lambda c: c["score"])
                 if best["status"] == "diverged":
                     raise ConfigError(f"every tuning run of {sw.name}/{arm.name} (alpha "
@@ -175,7 +179,7 @@ def choose(plan: Plan, write: bool = True, partial: bool = False) -> dict:
                 out["choices"].append({"sweep": sw.name, "arm": arm.name, "alpha": alpha,
                                        "chosen": best, "candidates": cands})
     if partial:
-        out["unfinished"] = missing
+        out["unfinished"] = unfinished
     elif missing:
         raise ConfigError(f"tuning of plan {plan.name} is unfinished: {len(missing)} run(s) "
                           f"not final, e.g. {missing[0]}; run `linattn study --plan ... "
@@ -281,3 +285,13 @@ def load_choices(path: Path | str, plan: Plan) -> dict:
             raise bad(f"entry {i}: warmup_rounds {t0!r} is not one of {key[0]}/{key[1]}'s "
                       f"T0 values {list(arm.warmup_rounds)}")
     return raw
+
+
+def export_choices(plan: Plan, folder: Path | str, choices: dict | None = None) -> Path:
+    """Write the choices the final stage uses to ``<folder>/choices.json``: ``choices`` (a
+    table read by :func:`load_choices`) or the one in ``<out_dir>/choices.json``."""
+    if choices is None:
+        choices = json.loads(inside(plan.out_dir, CHOICES_FILE).read_text())
+    dest = Path(folder) / CHOICES_FILE
+    atomic_write_json(dest, _plain(choices), indent=1)
+    return dest

@@ -222,7 +222,9 @@ def test_final_stage_of_a_slice_and_from_a_choices_file(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     choices = json.loads((out / study.CHOICES_FILE).read_text())
     assert [c["arm"] for c in choices["choices"]] == ["fedavg"]
-    assert len(choices["unfinished"]) == 8  # the frozen arm's 4 grid points x 2 T0 values
+    # the frozen arm: 4 grid points x 2 T0 values, none run
+    assert choices["unfinished"] == [{"sweep": "digits", "arm": "frozen", "alpha": 0.5,
+                                      "runs_not_final": 8}]
     chosen = choices["choices"][0]["chosen"]
     lrs = {}
     for cand in choices["choices"][0]["candidates"]:
@@ -236,8 +238,10 @@ def test_final_stage_of_a_slice_and_from_a_choices_file(tmp_path):
     # the same final run elsewhere, from the choices file alone: the same configuration
     other = tmp_path / "other"
     res = run_cli("study", "--plan", str(path), "--out", str(other), "--stage", "final",
-                  "--choices", str(out / study.CHOICES_FILE), "--slice", "digits/fedavg/*/seed=0")
+                  "--choices", str(out / study.CHOICES_FILE), "--slice", "digits/fedavg/*/seed=0",
+                  "--export", str(tmp_path / "export"))
     assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads((tmp_path / "export" / study.CHOICES_FILE).read_text()) == choices
     there = other / study.run_key("digits", "fedavg", None, 0.5, 0)
     assert (there / "config.yaml").read_text() == (final_dir / "config.yaml").read_text()
     assert global_metrics(there / "metrics.csv") == global_metrics(final_dir / "metrics.csv")
