@@ -91,15 +91,16 @@ def _warmup_round(problem, data, kernel, value, lr, batches):
     v = np.broadcast_to(value, (c, *value.shape)).copy()
     rows = np.arange(c)[:, None]
     shrink_m, shrink_v = 1 - lr * problem.kernel_ridge, 1 - lr * problem.ridge
+    # Sigma_hat is symmetric, so the prediction x_q^T M Sigma_hat V is z^T V with
+    # z = Sigma_hat M^T x_q, and the kernel's gradient sum_b x_q (Sigma_hat V r_b)^T needs no
+    # (C, B, d, d_y) product: batched matrix products only
     for idx in batches:                                       # (C, B) per local step
         q, s, y = data.query[rows, idx], data.sigma_hat[rows, idx], data.target[rows, idx]
-        a = q @ m                                             # (C, B, d): (M^T x_q)^T
-        w = s @ v[:, None]                                    # (C, B, d, d_y): Sigma_hat V
-        res = np.einsum("cbk,cbka->cba", a, w) - y            # (C, B, d_y)
-        za = (s @ a[..., None])[..., 0]                       # Sigma_hat M^T x_q
+        za = (s @ (q @ m)[..., None])[..., 0]                 # (C, B, d): Sigma_hat M^T x_q
+        res = za @ v - y                                      # (C, B, d_y)
         scale = lr / idx.shape[1]
-        grad_v = np.einsum("cbk,cba->cka", za, res)
-        grad_m = np.einsum("cbj,cbka,cba->cjk", q, w, res)
+        grad_v = za.mT @ res                                  # (C, d, d_y)
+        grad_m = q.mT @ (s @ (res @ v.mT)[..., None])[..., 0]   # (C, d, d)
         m *= shrink_m
         m -= scale * grad_m
         v *= shrink_v
