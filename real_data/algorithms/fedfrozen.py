@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -55,6 +55,17 @@ class FedFrozenParams:
         else, Q/K included; it asks whether freezing the kernel matters or freezing any
         block of that size does. ``v_attn_out`` needs ``train=all_but_qk`` (read: all but the
         frozen block).
+    base : {"fedavg", "fedprox", "scaffold"}
+        The algorithm both stages run: FedAvg, FedProx (the proximal term with ``mu`` on the
+        parameters that train) or SCAFFOLD (option II control variates, with ``server_lr``,
+        as :class:`real_data.algorithms.scaffold.Scaffold`); after T0 it runs on the
+        parameters that still train, and the frozen block's control variates stay as they
+        are at T0. FedFrozen on top of a drift-correcting method asks whether freezing adds to
+        the correction.
+    mu : float
+        ``base=fedprox``: the proximal coefficient mu >= 0.
+    server_lr : float
+        ``base=scaffold``: the global step size eta_g > 0.
     """
 
     warmup_rounds: int | None = None
@@ -67,6 +78,9 @@ class FedFrozenParams:
     probe_patience: int = 4
     probe_window: int = 4
     probe_margin: float = 1.0
+    base: Literal["fedavg", "fedprox", "scaffold"] = "fedavg"
+    mu: float = 0.01
+    server_lr: float = 1.0
 
     @property
     def rule(self) -> str | None:
@@ -100,6 +114,12 @@ class FedFrozenParams:
         if not self.probe_margin >= 0:
             raise ConfigError(f"algorithm.probe_margin={self.probe_margin} must be >= 0 (in "
                               "units of the predictions' noise sigma)")
+        if not self.mu >= 0:
+            raise ConfigError(f"algorithm.mu={self.mu} must be >= 0 (base=fedprox's proximal "
+                              "coefficient)")
+        if not self.server_lr > 0:
+            raise ConfigError(f"algorithm.server_lr={self.server_lr} must be > 0 "
+                              "(base=scaffold's global step size)")
         if self.freeze == "v_attn_out" and self.train == "v":
             raise ConfigError("algorithm.freeze=v_attn_out freezes the value projections, so "
                               "algorithm.train=v leaves nothing to train; use "
@@ -128,6 +148,7 @@ class FedFrozenState:
     rule: FreezeRule | None = None
     pending: dict | None = None
     rule_seconds: float = 0.0
+    base: Any = None  # the base algorithm's server state (SCAFFOLD's control variate c)
 
 
 class FedFrozen(Algorithm):
@@ -158,6 +179,27 @@ class FedFrozen(Algorithm):
             self.frozen_train = names_of_kind(ctx.groups, "v")
         else:
             self.frozen_train = tuple(n for n in ctx.names if n not in self.qk)
+        # the algorithm both stages run (FedAvg is this class's own; the others delegate)
+        self.base = None
+        if params.base == "fedprox":
+            from real_data.algorithms.fedprox import FedProx, FedProxParams
+
+            self.base = FedProx(FedProxParams(params.mu), ctx)
+        elif params.base == "scaffold":
+            from real_data.algorithms.scaffold import Scaffold, ScaffoldParams
+
+            self.base = Scaffold(ScaffoldParams(params.server_lr), ctx)
+
+    @property
+    def round_lr(self) -> float:
+        """The round's client learning rate; the base algorithm reads the same one."""
+        return self._round_lr
+
+    @round_lr.setter
+    def round_lr(self, value: float) -> None:
+        self._round_lr = value
+        if getattr(self, "base", None) is not None:
+            self.base.round_lr = value
 
     def init_server_state(self, global_params) -> FedFrozenState:
         fixed = self.params.warmup == "fixed"
@@ -166,7 +208,43 @@ class FedFrozen(Algorithm):
         if self.params.rule is not None:
             state.rule = make_rule(self.params.rule, self.ctx.total_rounds)
             state.warmup_rounds = state.rule.fired_at  # fraction=0: T0 = 0 before round 1
+        if self.base is not None:
+            self.base.round_lr = self.round_lr
+            state.base = self.base.init_server_state(global_params)
         return state
+
+    def init_client_state(self, global_params):
+        return {} if self.base is None else self.base.init_client_state(global_params)
+
+    # -- the base algorithm's local terms, on the parameters that train ---------------------
+    def regularizer(self, params, anchor, client_state, server_state):
+        if self.base is None:
+            return 0.0
+        return self.base.regularizer(params, anchor, client_state, server_state.base)
+
+    def local_terms(self, trainable, client_state, server_state):
+        """The base algorithm's terms as stacked runs take them (none for FedAvg)."""
+        if self.base is None:
+            return None, 0.0
+        return self.base.local_terms(trainable, client_state, server_state.base)
+
+    def step_correction(self, trainable, client_state, server_state):
+        if self.base is None:
+            return None
+        return self.base.step_correction(trainable, client_state, server_state.base)
+
+    def update_client_state(self, rnd, client_ids, global_params, results, client_state,
+                            server_state):
+        """SCAFFOLD's control variates of the parameters this round trains (the frozen
+        block's stay as they are)."""
+        if self.base is None or not client_state:
+            return
+        trained = self.plan_round(rnd, server_state).trainable
+        base_state = server_state.base
+        sub = type(base_state)({n: base_state.c[n] for n in trained})
+        self.base.update_client_state(rnd, client_ids, global_params, results,
+                                      {n: client_state[n] for n in trained}, sub)
+        base_state.c.update(sub.c)
 
     @property
     def needs_validation(self) -> bool:
@@ -198,11 +276,13 @@ class FedFrozen(Algorithm):
         return t0 is not None and rnd > t0
 
     def plan_round(self, rnd, server_state):
-        if not self._frozen(rnd, server_state):
-            names = self.ctx.names
-            return RoundPlan(names, names, names, stage="warmup")
-        t = self.frozen_train
-        return RoundPlan(t, t, t, stage="frozen")
+        frozen = self._frozen(rnd, server_state)
+        t = self.frozen_train if frozen else self.ctx.names
+        # SCAFFOLD sends c down and Delta c_m up for every parameter that trains
+        extra = (sum(int(np.prod(self.ctx.shapes[n])) for n in t)
+                 if self.params.base == "scaffold" else 0)
+        return RoundPlan(t, t, t, extra_upload=extra, extra_download=extra,
+                         stage="frozen" if frozen else "warmup")
 
     def download_numel(self, plan, client_ids, server_state):
         base = super().download_numel(plan, client_ids, server_state)
@@ -217,6 +297,11 @@ class FedFrozen(Algorithm):
             server_state.holds_qk[client_ids] = True
         update = super().server_update(rnd, plan, client_ids, global_params, results, weights,
                                        server_state)
+        eta_g = self.params.server_lr
+        if self.params.base == "scaffold" and eta_g != 1.0:  # x + eta_g (average - x)
+            for n in plan.upload:
+                x = global_params[n]
+                update.params[n] = x + eta_g * (update.params[n] - x)
         rule = server_state.rule
         if plan.stage != "frozen" and rule is not None and rule.fired_at is None:
             start = time.perf_counter()
@@ -277,4 +362,7 @@ class FedFrozen(Algorithm):
         t0 = (str(self.params.warmup_rounds) if self.params.warmup == "fixed"
               else self.params.warmup)
         control = "" if self.params.freeze == "qk" else f"-freeze_{self.params.freeze}"
-        return f"fedfrozen-{self.params.train}{control}-T0{t0}"
+        base = {"fedavg": "", "fedprox": f"-fedprox-mu{self.params.mu:g}",
+                "scaffold": "-scaffold" if self.params.server_lr == 1.0
+                else f"-scaffold-lrg{self.params.server_lr:g}"}[self.params.base]
+        return f"fedfrozen-{self.params.train}{control}{base}-T0{t0}"
