@@ -96,8 +96,9 @@ def trains_alone(cfg: Config) -> bool:
     """A run that forks probe continuations and rolls back (FedFrozen with
     ``algorithm.warmup=auto``, :mod:`real_data.probe_runs`) cannot share a stacked round:
     :func:`run_group` trains it alone, after the group."""
-    return cfg.algorithm.name == "fedfrozen" and \
-        getattr(cfg.algorithm.params, "warmup", None) == "auto"
+    from real_data.algorithms import get_algorithm
+
+    return get_algorithm(cfg.algorithm.name).forks_with(cfg.algorithm.params)
 
 
 def stack_key(cfg: Config) -> tuple:

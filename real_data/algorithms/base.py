@@ -249,6 +249,12 @@ class Algorithm:
     def forks_run(self) -> bool:
         """True when the run forks probe continuations and may roll back
         (:mod:`real_data.probe_runs`): it trains alone, in one process; default False."""
+        return self.forks_with(self.params)
+
+    @classmethod
+    def forks_with(cls, params) -> bool:
+        """:attr:`forks_run` from the settings alone (a stacked group decides from the config
+        before it builds anything); default False."""
         return False
 
     @property

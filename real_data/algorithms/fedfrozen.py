@@ -254,10 +254,10 @@ class FedFrozen(Algorithm):
             return True
         return rule is not None and rule.partition("=")[0] in ("plateau", "kernel_stability")
 
-    @property
-    def forks_run(self) -> bool:
+    @classmethod
+    def forks_with(cls, params) -> bool:
         """``warmup=auto`` forks probe continuations and rolls the run back."""
-        return self.params.warmup == "auto"
+        return params.warmup == "auto"
 
     @property
     def probe_interval(self) -> int:
