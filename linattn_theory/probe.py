@@ -20,9 +20,36 @@ frozen stage's rate changes slowly along the run). The predictions are smoothed 
 median of three, and their noise is estimated from their second differences,
 sigma = 1.4826 median|P_{j+1} - 2 P_j + P_{j-1}| / sqrt(6). The run stops warming up once the
 last ``patience`` smoothed predictions all exceed the best one by more than ``margin`` sigma
-(default 1), rolls back
-to the best snapshot and freezes there (:class:`ProbeSelector`). If it reaches T, it freezes only
-if the best prediction beats the never-freeze loss l_T (continuing) by more than sigma.
+(default 1), rolls back to the best snapshot and freezes there (:class:`ProbeSelector`). If it
+reaches T, it freezes only if the best prediction beats the never-freeze loss l_T (continuing)
+by more than sigma.
+
+A probe of r rounds identifies its floor only if it shows the curve bending: when the loss
+falls almost linearly, every rate q near 1 fits as well as any other, and the horizon T - t_j
+(often 20x r) carries the fitted line far below anything the objective can reach. Three
+guards keep such a probe from deciding T0; each is valid on its own assumption:
+
+- Lower bound (``lower_bound``, default 0): the floors satisfy l_inf_j >= lower_bound in the
+  least squares, so no prediction lies below it. Valid for any objective with a known lower
+  bound: cross-entropy and squared loss, weight decay included, are >= 0.
+- Reach (``reach``, default 1): beyond the curve a prediction falls below the fitted l_j(r)
+  by at most ``reach`` times the fitted drop over the probe, b_j (1 - q^r). For a geometric
+  curve the drop still to come is b_j q^r, at most the drop seen iff q^r <= 1/2: the cap is
+  inactive when the probe spans at least one half-life of the frozen stage's loss (the curve
+  visibly bends) and otherwise replaces the floor the data do not pin down by the one of a
+  contraction with half-life r, q^r = 1/2: under the geometric model an overestimate of the
+  loss reached, so a probe that does not show its floor cannot win the selection by
+  extrapolation alone.
+- End-point rule (``end_rule``, default on): the oldest prediction has no earlier neighbour,
+  so the median of three cannot confirm it; its smoothed value is Tukey's end-point median of
+  itself, its smoothed neighbour z_1 and 3 z_1 - 2 z_2 (:func:`smoothed`). A lone low
+  prediction at snapshot 0 thus does not stay the best; a run whose predictions rise from the
+  start keeps snapshot 0. Inner predictions are medians of three already, and the newest one
+  never decides a stop (``patience`` predictions must follow the best).
+
+On the warm-up grid the three guards change no setting's outcome count (W2,
+docs/results/validation.md); on a near-linear probe (2.391 -> 2.233 over 10 rounds, horizon 200)
+the unguarded prediction is negative and the guarded one 2.07.
 """
 
 from __future__ import annotations
@@ -38,34 +65,58 @@ __all__ = ["extrapolate", "smoothed", "ProbeSelector", "ProbeChoice"]
 _RATES = np.concatenate([np.linspace(0.0, 0.9, 46), 1.0 - np.geomspace(0.1, 1e-3, 40)])
 
 
-def _fit(curves: np.ndarray):
-    """Least-squares (l_inf_j, b_j) for every rate on the grid; curves (J, r+1).
+def _fit(curves: np.ndarray, lower_bound: float | None):
+    """Least-squares (l_inf_j, b_j) for every rate on the grid, subject to b_j >= 0 and
+    l_inf_j >= ``lower_bound``; curves (J, r+1).
 
-    Returns (residual (Q,), floors (Q, J), scales (Q, J)); a rate at which some curve gets
-    b_j <= 0 keeps that curve flat at its mean (b_j = 0).
+    Returns (residual (Q,), floors (Q, J), scales (Q, J)). The constrained least squares of two
+    parameters has its optimum at the unconstrained one if that is feasible, else on a face of
+    the feasible set: the floor at the bound (b_j refitted) or the flat curve (b_j = 0, the
+    floor at the larger of the mean and the bound); the best feasible of the three is kept.
     """
     s = np.arange(curves.shape[1], dtype=np.float64)
     basis = _RATES[:, None] ** s[None, :]                        # (Q, r+1)
-    centred = basis - basis.mean(axis=1, keepdims=True)
+    b_mean = basis.mean(axis=1)
+    centred = basis - b_mean[:, None]
     denom = np.sum(centred**2, axis=1)                           # (Q,)
     y_mean = curves.mean(axis=1)                                 # (J,)
+    lb = -np.inf if lower_bound is None else float(lower_bound)
+
+    def residual(floors, scales):
+        fitted = floors[:, :, None] + scales[:, :, None] * basis[:, None, :]
+        return np.sum((fitted - curves[None]) ** 2, axis=2)     # (Q, J)
+
     with np.errstate(divide="ignore", invalid="ignore"):
-        scales = (centred @ (curves - y_mean[:, None]).T) / denom[:, None]   # (Q, J)
-    scales = np.where(np.isfinite(scales) & (scales > 0), scales, 0.0)
-    floors = y_mean[None, :] - scales * basis.mean(axis=1)[:, None]
-    fitted = floors[:, :, None] + scales[:, :, None] * basis[:, None, :]
-    resid = np.sum((fitted - curves[None]) ** 2, axis=(1, 2))
-    return resid, floors, scales
+        free_b = (centred @ (curves - y_mean[:, None]).T) / denom[:, None]   # (Q, J)
+    free_f = y_mean[None, :] - free_b * b_mean[:, None]
+    feasible = np.isfinite(free_b) & (free_b > 0) & (free_f >= lb)
+    free_b, free_f = np.where(feasible, free_b, 0.0), np.where(feasible, free_f, 0.0)
+    flat_f = np.broadcast_to(np.maximum(y_mean, lb), free_b.shape)
+    flat_b = np.zeros_like(free_b)
+    cands = [(free_f, free_b, np.where(feasible, residual(free_f, free_b), np.inf)),
+             (flat_f, flat_b, residual(flat_f, flat_b))]
+    if np.isfinite(lb):
+        bound_b = np.maximum((basis @ (curves - lb).T) / np.sum(basis**2, axis=1)[:, None], 0.0)
+        bound_f = np.full_like(bound_b, lb)
+        cands.append((bound_f, bound_b, residual(bound_f, bound_b)))
+    res = np.stack([c[2] for c in cands])
+    pick = np.argmin(res, axis=0)
+    floors = np.choose(pick, [c[0] for c in cands])
+    scales = np.choose(pick, [c[1] for c in cands])
+    return np.sum(np.min(res, axis=0), axis=1), floors, scales
 
 
-def extrapolate(curves, horizons, max_rate: float = 1.0) -> tuple[np.ndarray, np.ndarray, float]:
+def extrapolate(curves, horizons, max_rate: float = 1.0, lower_bound: float | None = 0.0,
+                reach: float | None = 1.0) -> tuple[np.ndarray, np.ndarray, float]:
     """Fit l_j(s) = l_inf_j + b_j q^s with one rate q shared by all curves and predict
     l_j(horizon_j) (eq. 36).
 
     The frozen stages of nearby snapshots contract at nearly the same rate, so sharing q makes
     the fit of short, noisy curves stable; q is chosen on a grid in [0, 0.999] by least
-    squares, (l_inf_j, b_j >= 0) by linear least squares for each q. A horizon within the
-    curve (horizon_j <= r) is read off the curve.
+    squares, (l_inf_j >= lower_bound, b_j >= 0) by constrained linear least squares for each q.
+    A horizon within the curve (horizon_j <= r) is read off the curve. Beyond the curve the
+    prediction falls below the fitted l_j(r) by at most ``reach`` times the fitted drop over
+    the probe, l_j(0) - l_j(r) (see the module docstring).
 
     Parameters
     ----------
@@ -75,6 +126,12 @@ def extrapolate(curves, horizons, max_rate: float = 1.0) -> tuple[np.ndarray, np
         The frozen rounds each fork would get (T - t_j).
     max_rate : float
         The largest rate considered.
+    lower_bound : float or None
+        A known lower bound of the objective (0 for cross-entropy and squared loss): the floors
+        l_inf_j, hence the predictions, are not below it. None: no bound.
+    reach : float or None
+        The most further drop, beyond the probe, in units of the drop the probe shows. None:
+        the fitted curve is followed to the horizon whatever its rate.
 
     Returns
     -------
@@ -83,26 +140,46 @@ def extrapolate(curves, horizons, max_rate: float = 1.0) -> tuple[np.ndarray, np
     y = np.atleast_2d(np.asarray(curves, dtype=np.float64))
     require(y.shape[1] >= 3 and np.all(np.isfinite(y)), "curves", y.shape,
             "finite curves of at least 3 values (s = 0..r, r >= 2)")
-    resid, floors, scales = _fit(y)
+    require(reach is None or (np.isfinite(reach) and reach >= 0), "reach", reach,
+            "a finite number >= 0, or None")
+    resid, floors, scales = _fit(y, lower_bound)
     resid = np.where(_RATES <= max_rate, resid, np.inf)
     best = int(np.argmin(resid))
     q = float(_RATES[best])
+    r = y.shape[1] - 1
     h = np.broadcast_to(np.maximum(np.asarray(horizons, dtype=np.int64), 0), (y.shape[0],))
-    model = floors[best] + scales[best] * q ** h.astype(np.float64)
+    floor, scale = floors[best], scales[best]
+    model = floor + scale * q ** h.astype(np.float64)
+    if reach is not None:
+        end = floor + scale * q**r                      # the fitted l_j(r)
+        model = np.maximum(model, end - reach * scale * (1.0 - q**r))
     # a fork whose remaining rounds the probe has already run needs no model: read it off
     seen = h < y.shape[1]
     model[seen] = y[seen, h[seen]]
-    return model, floors[best], q
+    return model, floor, q
 
 
-def smoothed(predictions) -> np.ndarray:
-    """The running median of three neighbouring predictions (two at the ends): one noisy probe
-    does not decide the snapshot or stop the warm-up."""
+def smoothed(predictions, end_rule: bool = True) -> np.ndarray:
+    """The running median of three neighbouring predictions: one noisy probe does not decide
+    the snapshot or stop the warm-up.
+
+    The oldest prediction has one neighbour, so a median of three cannot confirm it; with
+    ``end_rule`` (Tukey's end-point rule) its smoothed value is the median of itself, its
+    smoothed neighbour z_1 and the line through the next two smoothed values, 3 z_1 - 2 z_2:
+    it stands only where the trend of the later predictions supports it. The newest prediction
+    keeps its value (median of itself twice and its neighbour): the stop rule needs
+    ``patience`` predictions after the best one, so the newest never decides a stop, and it
+    becomes an inner value, a median of three, at the next probe. Without ``end_rule`` the
+    oldest keeps its value too.
+    """
     x = np.asarray(predictions, dtype=np.float64)
     if x.size < 3:
         return x
     padded = np.concatenate([x[:1], x, x[-1:]])
-    return np.median(np.stack([padded[:-2], padded[1:-1], padded[2:]]), axis=0)
+    z = np.median(np.stack([padded[:-2], padded[1:-1], padded[2:]]), axis=0)
+    if end_rule:
+        z[0] = np.median([x[0], z[1], 3.0 * z[1] - 2.0 * z[2]])
+    return z
 
 
 @dataclass(frozen=True)
@@ -151,6 +228,11 @@ class ProbeSelector:
         The largest rate q the fit may take.
     margin : float
         The stop rule's margin in units of sigma.
+    lower_bound, reach : float or None
+        The guards of :func:`extrapolate` (a known lower bound of the objective; the most
+        further drop in units of the probe's drop). None switches a guard off.
+    end_rule : bool
+        Tukey's end-point rule for the oldest prediction (:func:`smoothed`).
     """
 
     total_rounds: int
@@ -158,6 +240,9 @@ class ProbeSelector:
     window: int = 4
     max_rate: float = 1.0
     margin: float = 1.0
+    lower_bound: float | None = 0.0
+    reach: float | None = 1.0
+    end_rule: bool = True
     snapshots: list = field(default_factory=list)
     curves: list = field(default_factory=list)
     predictions: list = field(default_factory=list)
@@ -181,10 +266,11 @@ class ProbeSelector:
         self.probe_rounds_used += len(losses) - 1
         recent = np.stack(self.curves[-self.window:])
         horizons = self.total_rounds - np.asarray(self.snapshots[-self.window:])
-        preds, _, q = extrapolate(recent, horizons, self.max_rate)
+        preds, _, q = extrapolate(recent, horizons, self.max_rate, self.lower_bound,
+                                  self.reach)
         self.predictions.append(float(preds[-1]))
         self.rate = q
-        smooth = smoothed(self.predictions)
+        smooth = smoothed(self.predictions, self.end_rule)
         best = int(np.argmin(smooth))
         tail = smooth[best + 1:]
         return tail.size >= self.patience and bool(
@@ -193,7 +279,7 @@ class ProbeSelector:
     def choose(self, stopped_at: int, continuing_loss: float | None = None) -> ProbeChoice:
         """The best snapshot; ``continuing_loss`` (the run's loss at T, when it got there) is
         the never-freeze candidate T0 = T, kept unless a snapshot beats it by sigma."""
-        smooth = smoothed(self.predictions)
+        smooth = smoothed(self.predictions, self.end_rule)
         best = int(np.argmin(smooth))
         t0, pred = self.snapshots[best], float(smooth[best])
         if continuing_loss is not None and continuing_loss <= pred + self.noise():

@@ -26,8 +26,9 @@ the same functions the finite-sample simulator drives
    the frozen stage t0+1..T. Its ``metrics.csv`` is then the one of a fixed-T0 run with
    T0 = t0, plus the probe rows of the snapshots up to t0.
 4. Only snapshots that can still be chosen stay on disk: the best one so far among the
-   predictions whose smoothed value is final, and the newest; every snapshot file is
-   removed once T0 is decided.
+   predictions whose smoothed value is final, and the newest (all of the first three, while
+   the oldest smoothed value still waits for its trend); every snapshot file is removed once
+   T0 is decided.
 
 The probe's record (snapshot rounds, curves, ``stopped_at``, the decision) is part of the
 algorithm's server state, so ``checkpoints/last.pt`` carries it: a run killed at any point
@@ -259,9 +260,12 @@ class ProbeDriver:
     def _candidates(self, sel: ProbeSelector) -> tuple[int, ...]:
         """Snapshots that can still be chosen: the first minimum of the smoothed predictions
         that are final (all but the newest, whose median waits for the next), and the newest
-        (``choose`` takes the first minimum, and later predictions never change final ones)."""
+        (``choose`` takes the first minimum, and later predictions never change final ones).
+        The oldest smoothed value follows the trend of the next two medians (the end-point
+        rule of :func:`linattn_theory.probe.smoothed`), final from the fourth prediction on:
+        until then every snapshot stays."""
         snaps = sel.snapshots
-        if len(snaps) < 2:
+        if len(snaps) < 4:
             return tuple(snaps)
         final = smoothed(sel.predictions)[:-1]
         return (snaps[int(np.argmin(final))], snaps[-1])

@@ -13,7 +13,7 @@ import pytest
 from linattn_theory.dynamics import initial_point, population_dynamics
 from linattn_theory.errors import ParameterError
 from linattn_theory.objectives import global_loss, pooled_kernel_gradient
-from linattn_theory.probe import ProbeSelector, extrapolate
+from linattn_theory.probe import ProbeSelector, extrapolate, smoothed
 from linattn_theory.problem import make_problem
 from linattn_theory.profile import solve_profile
 from linattn_theory.warmup import recommend_warmup
@@ -96,6 +96,99 @@ def test_extrapolation_recovers_a_geometric_floor():
     assert q == pytest.approx(0.7, abs=0.02)
     np.testing.assert_allclose(floor, [0.3, 0.25], atol=2e-3)
     assert pred[0] == pytest.approx(0.3, abs=2e-3) and pred[1] == pytest.approx(0.35, abs=2e-3)
+
+
+def test_extrapolation_recovers_a_floor_the_probe_identifies():
+    """q = 0.9 over r = 10 rounds (q^r = 0.35: more than a half-life seen): the floor and the
+    prediction at T - t = 150 within 2e-3 with the guards on (default) and off."""
+    s = np.arange(11)
+    curve = 0.8 + 0.5 * 0.9**s
+    for kw in ({}, {"lower_bound": None, "reach": None}):
+        pred, floor, q = extrapolate(curve, 150, **kw)
+        assert q == pytest.approx(0.9, abs=0.01)
+        assert floor[0] == pytest.approx(0.8, abs=2e-3) and pred[0] == pytest.approx(0.8, abs=2e-3)
+
+
+def near_linear_curve():
+    """The real-network failure: validation cross-entropy 2.391 -> 2.233 over r = 10 frozen
+    rounds, a straight line plus noise of sd 0.002 (fixed seed), horizon T - t = 200."""
+    curve = np.linspace(2.391, 2.233, 11) + np.random.default_rng(0).normal(0.0, 0.002, 11)
+    curve[0], curve[-1] = 2.391, 2.233
+    return curve
+
+
+def test_unidentified_floor_is_bounded_below_and_in_reach():
+    curve = near_linear_curve()
+    # unguarded: q at the grid's end and a floor far below zero (a negative cross-entropy)
+    pred, floor, q = extrapolate(curve, 200, lower_bound=None, reach=None)
+    assert q > 0.99 and floor[0] < -5 and pred[0] < 0
+    # the lower bound alone: floor and prediction >= 0, still far below the curve
+    pred, floor, _ = extrapolate(curve, 200, reach=None)
+    assert floor[0] >= 0 and 0 <= pred[0] < 1.5
+    # with the reach cap (default): at most the probe's own drop (0.158) below its end
+    pred, floor, _ = extrapolate(curve, 200)
+    assert pred[0] == pytest.approx(2.233 - 0.158, abs=0.01)
+
+
+def test_reach_caps_a_slow_geometric_curve_at_one_probe_drop():
+    """q = 0.98 (q^r = 0.82, less than a half-life seen): the prediction is the fitted end minus
+    the fitted drop, above the true floor 1.0; without the cap the floor is recovered."""
+    s = np.arange(11)
+    curve = 1.0 + 0.5 * 0.98**s
+    pred, _, _ = extrapolate(curve, 300)
+    assert pred[0] == pytest.approx(2 * curve[-1] - curve[0], abs=1e-3)
+    assert pred[0] > 1.0 + 0.3
+    pred, floor, _ = extrapolate(curve, 300, reach=None)
+    # q = 0.98 lies between two rates of the grid: the floor within 0.03
+    assert floor[0] == pytest.approx(1.0, abs=0.03) and pred[0] == pytest.approx(
+        1.0 + 0.5 * 0.98**300, abs=0.03)
+
+
+def test_end_point_rule_and_finality_of_the_smoothed_predictions():
+    # the measured predictions (snapshots 0..32): the oldest follows its neighbours' trend
+    real = [-1.889, 1.913, 1.583, 1.364, 1.212]
+    assert smoothed(real)[0] == pytest.approx(1.583)
+    assert smoothed(real, end_rule=False)[0] == -1.889
+    # a run whose best snapshot is the first keeps it
+    rising = [0.5, 0.6, 0.7, 0.8, 0.9]
+    assert smoothed(rising)[0] == 0.5 and int(np.argmin(smoothed(rising))) == 0
+    # an inner outlier (0.518 among 0.8-1.1) is the median of its neighbours
+    assert smoothed([0.95, 0.9, 0.518, 0.88, 0.93])[2] == pytest.approx(0.88)
+    # all but the newest smoothed value are final from the fourth prediction on (the runner
+    # prunes snapshots on that)
+    x = np.random.default_rng(3).normal(size=12)
+    for n in range(4, 12):
+        np.testing.assert_array_equal(smoothed(x[:n])[:-1], smoothed(x)[:n - 1])
+
+
+def test_selector_does_not_stop_on_an_unidentified_first_probe():
+    """The real-network run (T = 200, a snapshot every 8 rounds, r = 10): snapshot 0 is the
+    near-linear curve, snapshots 8..56 contract (q = 0.75) to floors 1.913, 1.583, 1.364,
+    1.212, 1.18, 1.20, 1.23, 1.26. Unguarded, snapshot 0 predicts a negative loss, stays the
+    best and warm-up stops at round 32 with T0 = 0; guarded, its prediction stays within one
+    probe drop of its curve and T0 is the minimum of the later predictions (round 40)."""
+    s = np.arange(11)
+    starts = [2.6, 1.96, 1.69, 1.53, 1.45, 1.40, 1.37, 1.35]
+    floors = [1.913, 1.583, 1.364, 1.212, 1.18, 1.20, 1.23, 1.26]
+    curves = [near_linear_curve()] + [f + (a - f) * 0.75**s for a, f in zip(starts, floors)]
+
+    def run(**kw):
+        sel = ProbeSelector(200, patience=4, **kw)
+        for j, c in enumerate(curves):
+            if sel.add(8 * j, c):
+                return sel, 8 * j
+        return sel, 200
+
+    sel, stopped = run(lower_bound=None, reach=None, end_rule=False)
+    assert sel.predictions[0] < 0 and stopped == 32 and sel.choose(stopped).warmup_rounds == 0
+    for kw in ({}, {"reach": None}, {"end_rule": False}):   # each guard alone suffices here
+        sel, stopped = run(**kw)
+        assert sel.predictions[0] >= 0 and stopped == 200
+        assert sel.choose(stopped).warmup_rounds == 40
+    sel, _ = run()
+    assert sel.predictions[0] == pytest.approx(2.075, abs=0.01)
+    # the later probes share q with the near-linear one in their window: floors within 0.015
+    np.testing.assert_allclose(sel.predictions[1:], floors, atol=0.015)
 
 
 def test_selector_stops_after_patience_and_compares_with_continuing():
