@@ -34,8 +34,9 @@ The probe's record (snapshot rounds, curves, ``stopped_at``, the decision) is pa
 algorithm's server state, so ``checkpoints/last.pt`` carries it: a run killed at any point
 (during the warm-up, during a probe, during or after the roll-back) resumes to the same
 ``metrics.csv`` and final parameters as an uninterrupted run. The selector is rebuilt by
-feeding it the recorded curves again. ``summary.json``'s ``warmup`` holds the decision and
-the rounds computed; ``curves_probe.png`` plots the predictions (``run.plot``).
+feeding it the recorded curves again. ``summary.json``'s ``warmup`` holds the decision, every
+probe's curve (so the selection replays offline) and the rounds computed;
+``curves_probe.png`` plots the predictions (``run.plot``).
 
 A forking run trains alone, in one process: a stacked group (:mod:`real_data.stacked_runs`)
 refuses it, a study trains it outside its stacks, and ``--distributed`` and Flower refuse it.
@@ -223,6 +224,8 @@ class ProbeDriver:
         rec["summary"] = {
             "warmup_rounds": t0, "stopped_at": stopped, "snapshots": list(choice.snapshots),
             "predictions": list(choice.predictions), "predicted_loss": choice.predicted_loss,
+            # every probe's validation curve l_t(0..r): the selection replays from these alone
+            "curves": [[float(v) for v in c] for c in rec["curves"]],
             "continuing_loss": rec["continuing_loss"], "rate": choice.rate,
             "probe_rounds_used": choice.probe_rounds_used, "rounds_computed": used,
             "probe_seconds": rec["probe_seconds"], "probe_interval": self.interval,

@@ -87,6 +87,13 @@ def test_summary_reports_the_decision_and_the_compute(runs):
                     "discarded": stopped - t0,
                     "fedavg_equivalent": pytest.approx((stopped + used["probe"] + T - t0) / T)}
     assert warm["probe_seconds"] > 0 and 0.0 <= warm["rate"] <= 1.0
+    # the recorded curves replay the decision: a selector fed them predicts the same values
+    sel = ProbeSelector(T, patience=1, margin=0.0)
+    assert len(warm["curves"]) == len(warm["snapshots"])
+    for t, curve in zip(warm["snapshots"], warm["curves"]):
+        assert len(curve) == R + 1
+        sel.add(t, curve)
+    assert sel.predictions == pytest.approx(warm["predictions"], rel=1e-12)
     # metrics.csv: the stages of a fixed-T0 run, probe rows at the kept snapshots only
     rows = lines(dirs["auto"] / "metrics.csv")
     stages = {int(r.split(",")[0]): r.split(",")[4] for r in rows}
