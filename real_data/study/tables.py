@@ -445,3 +445,85 @@ def write_markers(plan: Plan, dest: Path) -> int:
             if plan.pretrained_path(job).is_file():
                 tar.add(plan.pretrained_path(job), arcname=f"pretrained/{job.name}.pt")
     return marked
+
+
+def chosen_t0(runs: list[dict], metric: str = "val_score", n_boot: int = 2000,
+              seed: int = 0, level: float = 0.95) -> list[dict]:
+    """The validation-selected T0 per (sweep, alpha, T0 arm) and a bootstrap interval over
+    seeds.
+
+    ``runs``: :func:`run_rows` (or any dicts with ``sweep, alpha, arm, warmup_rounds, seed``,
+    ``metric`` and optionally ``score``). Only seeds with a run at every T0 of the arm count.
+    The chosen T0 maximizes the mean of ``metric`` (default the validation score, the mean
+    validation accuracy of the last 5 evaluations) over those seeds; a diverged run (NaN)
+    counts as -inf, so a T0 that diverged on some seed is picked only if every T0 did; ties go
+    to the smaller T0. The interval: ``n_boot`` resamples of the seeds with replacement, each
+    re-picking the argmax of the resampled mean; ``t0_low``/``t0_high`` are the
+    (1 - level)/2 and (1 + level)/2 percentiles of the picked T0 (inverted CDF, so grid
+    values), ``share_chosen`` the share of resamples that pick the chosen T0. ``test_score``:
+    the mean test score over the same seeds at the chosen T0 (the test set only scores).
+    """
+    groups: dict[tuple, dict[int, dict[int, dict]]] = {}
+    for r in runs:
+        if r["warmup_rounds"] is None:
+            continue
+        groups.setdefault((r["sweep"], r["alpha"], r["arm"]), {}).setdefault(
+            r["warmup_rounds"], {})[r["seed"]] = r
+    rng = np.random.default_rng(seed)
+    out = []
+    for (sweep, alpha, arm), by_t0 in groups.items():
+        t0s = sorted(by_t0)
+        seeds = sorted(set.intersection(*(set(v) for v in by_t0.values())))
+        if not seeds:
+            continue
+        vals = np.array([[by_t0[t][s][metric] for t in t0s] for s in seeds], dtype=np.float64)
+        vals = np.where(np.isfinite(vals), vals, -np.inf)
+        if not np.isfinite(vals).any():
+            continue
+        best = int(np.argmax(vals.mean(0)))
+        picks = np.empty(n_boot, dtype=np.int64)
+        for b in range(n_boot):
+            sample = vals[rng.integers(0, len(seeds), len(seeds))]
+            picks[b] = t0s[int(np.argmax(sample.mean(0)))]
+        lo, hi = np.percentile(picks, [50 * (1 - level), 50 * (1 + level)],
+                               method="inverted_cdf")
+        test = [by_t0[t0s[best]][s].get("score", np.nan) for s in seeds]
+        out.append({"sweep": sweep, "alpha": alpha, "arm": arm, "n_seeds": len(seeds),
+                    "t0_grid": t0s, "chosen_t0": t0s[best], "metric": metric,
+                    "chosen_mean": float(vals.mean(0)[best]),
+                    "t0_low": int(lo), "t0_high": int(hi),
+                    "share_chosen": float(np.mean(picks == t0s[best])),
+                    "test_score": float(np.mean(test)) if test else None,
+                    "n_boot": n_boot, "level": level})
+    return sorted(out, key=lambda r: (r["sweep"], str(r["alpha"]), r["arm"]))
+
+
+def t0_choice_lines(rows: list[dict]) -> list[str]:
+    """Markdown lines of :func:`chosen_t0`'s rows."""
+    lines = ["Validation-selected T0 (argmax over the grid of the mean validation score over "
+             "seeds) and its bootstrap interval over seeds (resampled, argmax re-picked); the "
+             "test score is read at the chosen T0 only.", "",
+             "| sweep | alpha | arm | n | chosen T0 | interval | share | val score | "
+             "test score |", "|" + "---|" * 9]
+    for r in rows:
+        pct = f"{100 * r['level']:g}%"
+        test = "-" if r["test_score"] is None or not np.isfinite(r["test_score"]) else \
+            f"{r['test_score']:.4f}"
+        lines.append(f"| {r['sweep']} | {'natural' if r['alpha'] is None else r['alpha']} | "
+                     f"{r['arm']} | {r['n_seeds']} | {r['chosen_t0']} | "
+                     f"[{r['t0_low']}, {r['t0_high']}] ({pct}) | {r['share_chosen']:.2f} | "
+                     f"{r['chosen_mean']:.4f} | {test} |")
+    return lines
+
+
+def write_t0_choice(runs: list[dict], out_dir: Path) -> list[Path]:
+    """``t0_choice.{csv,md}`` (:func:`chosen_t0`) when some T0 run has a validation score;
+    nothing otherwise."""
+    rows = chosen_t0(runs)
+    if not rows:
+        return []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / "t0_choice.csv", out_dir / "t0_choice.md"]
+    _write_csv([{**r, "t0_grid": " ".join(map(str, r["t0_grid"]))} for r in rows], paths[0])
+    atomic_write_text(paths[1], "\n".join(t0_choice_lines(rows)) + "\n")
+    return paths

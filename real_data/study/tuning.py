@@ -137,8 +137,8 @@ def choose(plan: Plan, write: bool = True, partial: bool = False) -> dict:
     """The chosen grid point and T0 of every (sweep, arm, alpha), from the finished tuning
     runs; raises ConfigError naming the missing runs while tuning is unfinished. With
     ``partial``, a (sweep, arm, alpha) whose tuning is unfinished is left out instead and
-    listed under ``"unfinished"`` with the number of its runs not final. With ``write``, the whole table goes to
-    ``<out_dir>/choices.json``."""
+    listed under ``"unfinished"`` with the number of its runs not final. With ``write``, the
+    whole table goes to ``<out_dir>/choices.json``."""
     _need_tune(plan)
     tune = plan.tune
     higher = tune.metric.endswith("acc")
