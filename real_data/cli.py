@@ -222,8 +222,9 @@ def _study(argv: list[str]) -> int:
                     "Phi(M_ref,T0) - Phi_best, drift(T0) = Phi(M_T0) - Phi(M_ref,T0) for each "
                     "reference arm; Phi_best: the pooled single-client reference's kernel at "
                     "its last snapshot) and t0_choice.{csv,md}; each Phi is cached under "
-                    "out_dir/profiles, so a killed call resumes; --shard k/n takes every n-th "
-                    "(sweep, alpha, seed) cell, --deadline starts no new cell after SECONDS, "
+                    "out_dir/profiles, so a killed call resumes; --slice keeps the (sweep, alpha, "
+                    "seed) cells one of whose runs it matches, --shard k/n takes every n-th "
+                    "cell, --deadline starts no new cell after SECONDS, "
                     "--aggregate-only only reads the cache")
     ap.add_argument("--profile-steps", type=int, default=None, metavar="N",
                     help="with --profile: minibatch steps of Phi's budget (default 4000; the "
@@ -427,7 +428,8 @@ def _study_profile(args, full, shard) -> int:
         raise UserError(f"--profile: plan {full.name} has no sweep with both a T0 arm "
                         "(warmup_rounds) and a reference arm (reference: true)")
     records = study.profile_plan(plan, budget, device=args.device, shard=shard,
-                                 deadline_s=args.deadline, compute=not args.aggregate_only)
+                                 deadline_s=args.deadline, compute=not args.aggregate_only,
+                                 pattern=args.slice)
     if args.no_tables:
         return 0
     rows = study.bias_drift(records)

@@ -83,11 +83,13 @@ class Budget:
 
     def __post_init__(self) -> None:
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
-            raise ConfigError(f"--steps {self.steps}: must be an integer >= 1")
+            raise ConfigError(f"--steps (--profile-steps) {self.steps}: must be an integer "
+                              ">= 1")
         if self.lr is not None and not self.lr > 0:
-            raise ConfigError(f"--lr {self.lr}: must be > 0")
+            raise ConfigError(f"--lr (--profile-lr) {self.lr}: must be > 0")
         if self.batch_size is not None and self.batch_size < 1:
-            raise ConfigError(f"--batch-size {self.batch_size}: must be >= 1")
+            raise ConfigError(f"--batch-size (--profile-batch-size) {self.batch_size}: must "
+                              "be >= 1")
 
     def tag(self) -> str:
         """A file-name part that names the budget (the profile cache's key)."""

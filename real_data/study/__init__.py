@@ -49,7 +49,9 @@ paired intervals and an equivalence test (:mod:`~real_data.study.tuning`).
 
 ``linattn study --plan P --profile`` evaluates the kernel profile Phi (:mod:`real_data.profile`)
 at every T0 snapshot of a T0 arm and of the reference arms and writes kernel bias and drift by
-their definitions (:mod:`~real_data.study.profile_tables`).
+their definitions (:mod:`~real_data.study.profile_tables`). Where the runs hold out a validation
+split, the tables also give the validation-selected T0 of each T0 arm with a bootstrap interval
+over seeds (``t0_choice.{csv,md}``).
 
 The parts: :mod:`~real_data.study.plan` (the plan file, its runs and their configs),
 :mod:`~real_data.study.runner` (running, resuming, sharding),

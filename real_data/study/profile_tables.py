@@ -34,6 +34,7 @@ checks) and the mean +- std over seeds.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import time
 from pathlib import Path
@@ -42,7 +43,7 @@ import numpy as np
 
 from linattn.fileio import atomic_write_text
 from real_data.study.plan import Arm, Plan, Sweep, run_config, run_key
-from real_data.study.tables import _reference_dir, _sort_key, _write_csv
+from real_data.study.tables import reference_dir, row_order, write_csv
 
 BEST_RULE = ("Phi_best = Phi at the pooled single-client reference's kernel at its last "
              "snapshot round (the longest-trained reference)")
@@ -97,7 +98,7 @@ def profile_cells(plan: Plan) -> list[dict]:
                                 for t in sorted(arm.warmup_rounds)]
                 for ref in refs:
                     for t in grid:
-                        rdir = _reference_dir(plan, sw, ref, alpha, seed, t)
+                        rdir = reference_dir(plan, sw, ref, alpha, seed, t)
                         kernels.append(("ref", ref.name, t, rdir / "checkpoints" /
                                         f"round_{t}.pt"))
                 cells.append({"sweep": sw.name, "alpha": alpha, "seed": seed,
@@ -114,15 +115,21 @@ def _cache_file(cell: dict, kind: str, arm: str, t: int, budget) -> Path:
 
 def profile_plan(plan: Plan, budget, log=print, device: str | None = None,
                  shard: tuple[int, int] | None = None, deadline_s: float | None = None,
-                 compute: bool = True, stack: int = 32) -> list[dict]:
+                 compute: bool = True, stack: int = 32,
+                 pattern: list[str] | None = None) -> list[dict]:
     """Phi at every kernel of every cell (``shard=(k, n)``: the k-th of every n cells), read
     from the cache or computed and cached (``compute=False``: only read); a cell's missing
     kernels train side by side, ``stack`` at a time. ``deadline_s``: start no new cell after
-    this many seconds. Returns one record per kernel found (missing snapshots are logged and
-    left out)."""
+    this many seconds. ``pattern``: globs over the run keys (``--slice``); a cell is kept when
+    one of its runs matches. Returns one record per kernel found (missing snapshots are logged
+    and left out)."""
     from real_data.profile import run_setup
 
     cells = profile_cells(plan)
+    if pattern:
+        cells = [c for c in cells if any(
+            fnmatch.fnmatch(str(path.parents[1].relative_to(plan.out_dir)), p)
+            for *_, path in c["kernels"] for p in pattern)]
     if shard is not None:
         cells = cells[shard[0]::shard[1]]
     start = time.perf_counter()
@@ -187,7 +194,7 @@ def bias_drift(records: list[dict]) -> list[dict]:
                         "rel_change_best": best.get("relative_change"),
                         "converged": all(bool(x.get("converged")) for x in (fed, ref, best)),
                         "steps": fed.get("steps")})
-    return sorted(out, key=lambda r: (*_sort_key(r), r["reference"]))
+    return sorted(out, key=lambda r: (*row_order(r), r["reference"]))
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -209,7 +216,7 @@ def summarize(rows: list[dict]) -> list[dict]:
                                                    "rel_change_best") if r[k] is not None]
         rec["max_rel_change"] = float(max(changes)) if changes else None
         out.append(rec)
-    return sorted(out, key=lambda r: (*_sort_key(r), r["reference"]))
+    return sorted(out, key=lambda r: (*row_order(r), r["reference"]))
 
 
 def write_kernel_profile(rows: list[dict], out_dir: Path, budget=None,
@@ -221,7 +228,7 @@ def write_kernel_profile(rows: list[dict], out_dir: Path, budget=None,
     summary = summarize(rows)
     paths = [out_dir / "kernel_profile.csv", out_dir / "kernel_profile.json",
              out_dir / "kernel_profile.md"]
-    _write_csv(rows, paths[0])
+    write_csv(rows, paths[0])
     if not rows:
         atomic_write_text(paths[0], "")
     meta = {"budget": None if budget is None else {"steps": budget.steps, "lr": budget.lr,

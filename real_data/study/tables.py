@@ -242,7 +242,7 @@ def _kernel_deviations(plan, sweep_name, arm_name, t0, alpha, specs) -> list[flo
     out = []
     for spec in specs:
         source = plan.out_dir / run_key(sweep_name, arm_name, head_t0, alpha, spec.seed)
-        ref = _reference_dir(plan, sweep, refs[0], alpha, spec.seed, t0)
+        ref = reference_dir(plan, sweep, refs[0], alpha, spec.seed, t0)
         a = source / "checkpoints" / f"round_{t0}.pt"
         b = ref / "checkpoints" / f"round_{t0}.pt"
         if a.is_file() and b.is_file():
@@ -251,7 +251,7 @@ def _kernel_deviations(plan, sweep_name, arm_name, t0, alpha, specs) -> list[flo
     return out
 
 
-def _reference_dir(plan: Plan, sweep: Sweep, ref: Arm, alpha, seed: int, t0: int) -> Path:
+def reference_dir(plan: Plan, sweep: Sweep, ref: Arm, alpha, seed: int, t0: int) -> Path:
     """The reference run of this alpha and seed; a reference whose partition ignores alpha
     (``iid``: one client holding the pooled data) is the same run at every alpha, so the one
     of another alpha (same seed) stands in when this alpha's is missing."""
@@ -285,10 +285,10 @@ def write_tables(rows: list[dict], out_dir: Path, runs: list[dict] | None = None
     ``runs`` (:func:`run_rows`) also ``study_per_run.csv`` (one row per run and seed) and
     ``study_paired.{csv,md}`` (each cell minus FedAvg, paired by seed)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = sorted(rows, key=_sort_key)
+    rows = sorted(rows, key=row_order)
     paths = [out_dir / "study.csv", out_dir / "study.json", out_dir / "study.md"]
     if rows:
-        _write_csv(rows, paths[0])
+        write_csv(rows, paths[0])
     atomic_write_text(paths[1], json.dumps(rows, indent=1))
     lines = ["| sweep | alpha | arm | T0 | n | final acc | best acc | rounds to best | "
              "personal acc | acc var (last 10 evals) | grad-norm jump | kernel dev (n) | MB up | "
@@ -318,7 +318,7 @@ def write_comparison(runs: list[dict], out_dir: Path, against: str = "fedavg",
     """``comparison.{csv,md}``: :func:`compare` of every arm with ``against`` on the score
     (mean test accuracy of the last 5 evaluations), paired by seed."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = sorted(compare(runs, against, "score", margin), key=_sort_key)
+    rows = sorted(compare(runs, against, "score", margin), key=row_order)
     paths = [out_dir / "comparison.csv", out_dir / "comparison.md"]
     text = io.StringIO()
     if rows:
@@ -347,12 +347,12 @@ def write_comparison(runs: list[dict], out_dir: Path, against: str = "fedavg",
     return paths
 
 
-def _sort_key(r: dict) -> tuple:
+def row_order(r: dict) -> tuple:
     return (r["sweep"], str(r["alpha"]), r["arm"],
             -1 if r["warmup_rounds"] is None else r["warmup_rounds"], r.get("seed", 0))
 
 
-def _write_csv(rows: list[dict], path: Path) -> None:
+def write_csv(rows: list[dict], path: Path) -> None:
     with open(path, "w", newline="") as fh:
         if rows:
             w = csv.DictWriter(fh, fieldnames=list(rows[0]))
@@ -361,11 +361,11 @@ def _write_csv(rows: list[dict], path: Path) -> None:
 
 
 def _write_run_tables(runs: list[dict], out_dir: Path) -> list[Path]:
-    paired = sorted(paired_differences(runs), key=_sort_key)
+    paired = sorted(paired_differences(runs), key=row_order)
     paths = [out_dir / "study_per_run.csv", out_dir / "study_paired.csv",
              out_dir / "study_paired.md"]
-    _write_csv(sorted(runs, key=_sort_key), paths[0])
-    _write_csv(paired, paths[1])
+    write_csv(sorted(runs, key=row_order), paths[0])
+    write_csv(paired, paths[1])
     lines = ["Final accuracy minus FedAvg's of the same seed, in points: mean over seeds +- its "
              "standard error (ddof = 1), n seeds.", "",
              "| sweep | alpha | arm | T0 | n | minus fedavg (points) | mean / SE |",
@@ -524,6 +524,6 @@ def write_t0_choice(runs: list[dict], out_dir: Path) -> list[Path]:
         return []
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / "t0_choice.csv", out_dir / "t0_choice.md"]
-    _write_csv([{**r, "t0_grid": " ".join(map(str, r["t0_grid"]))} for r in rows], paths[0])
+    write_csv([{**r, "t0_grid": " ".join(map(str, r["t0_grid"]))} for r in rows], paths[0])
     atomic_write_text(paths[1], "\n".join(t0_choice_lines(rows)) + "\n")
     return paths
