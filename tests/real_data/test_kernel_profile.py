@@ -121,6 +121,25 @@ def test_phi_depends_on_the_kernel_alone(run_dir, tmp_path):
     assert many[2]["phi"] == many[0]["phi"] and many[0]["stacked"] == 3
 
 
+def test_phi_from_a_packed_run_needs_only_its_config_and_qk(run_dir, tmp_path):
+    """A study archive keeps a run's config.yaml and Q/K-only snapshots (pack_results): the
+    partition is rebuilt from the config and the initial parameters from its seed, so Phi is
+    the same as in the full run directory."""
+    import shutil
+
+    setup = run_setup(run_dir)
+    packed = tmp_path / "packed"
+    (packed / "checkpoints").mkdir(parents=True)
+    shutil.copy(run_dir / "config.yaml", packed / "config.yaml")
+    full = torch.load(run_dir / "checkpoints" / "round_3.pt", weights_only=False)
+    torch.save({"global_params": {n: full["global_params"][n] for n in setup.qk_names}},
+               packed / "checkpoints" / "round_3.pt")
+    budget = Budget(STEPS, check=False)
+    a = setup.phi(run_dir / "checkpoints" / "round_3.pt", budget)
+    b = run_setup(packed).phi(packed / "checkpoints" / "round_3.pt", budget)
+    assert a["phi"] == b["phi"] and b["kernel_round"] is None
+
+
 def test_the_doubled_budget_check_is_reported(run_dir):
     setup = run_setup(run_dir)
     snap = run_dir / "checkpoints" / "round_3.pt"
