@@ -43,6 +43,7 @@ ROUTES: dict[str, tuple[str, str]] = {
     "sweep": ("real_data.cli", "a grid of federated runs sharing data and warm-up checkpoints"),
     "pretrain": ("real_data.cli", "central pretraining on a source data set (FedSQ's S)"),
     "study": ("real_data.cli", "the real-data validation study from a plan file"),
+    "profile": ("real_data.cli", "the kernel profile Phi(M) of a run at its Q/K snapshots"),
     "reproduce": ("figures.cli", "the main job: theory + simulation checks, figures, report"),
     "figure": ("figures.cli", "draw one figure"),
 }

@@ -1,4 +1,4 @@
-"""``linattn run | sweep | bench | study | data | pretrain``: the real-data commands.
+"""``linattn run | sweep | bench | study | data | pretrain | profile``: the real-data commands.
 
 ``linattn.cli`` routes here with ``argv[0]`` the subcommand. Bad input raises
 :class:`~linattn.errors.UserError` (exit 2 through the router); a diverged run exits 1.
@@ -215,6 +215,28 @@ def _study(argv: list[str]) -> int:
                     "choices.json a tuning stage wrote, or its exported copy) instead of the "
                     "tuning runs, which then need not be here; with --slice, the final stage "
                     "needs only the selected arms' tuning finished (or chosen in this file)")
+    ap.add_argument("--profile", action="store_true",
+                    help="train nothing: evaluate the kernel profile Phi (linattn profile) at "
+                    "every T0 snapshot of each sweep's T0 arms and reference arms, under the T0 "
+                    "family head's config, and write kernel_profile.{csv,json,md} (bias(T0) = "
+                    "Phi(M_ref,T0) - Phi_best, drift(T0) = Phi(M_T0) - Phi(M_ref,T0) for each "
+                    "reference arm; Phi_best: the pooled single-client reference's kernel at "
+                    "its last snapshot) and t0_choice.{csv,md}; each Phi is cached under "
+                    "out_dir/profiles, so a killed call resumes; --slice keeps the (sweep, alpha, "
+                    "seed) cells one of whose runs it matches, --shard k/n takes every n-th "
+                    "cell, --deadline starts no new cell after SECONDS, "
+                    "--aggregate-only only reads the cache")
+    ap.add_argument("--profile-steps", type=int, default=None, metavar="N",
+                    help="with --profile: minibatch steps of Phi's budget (default 4000; the "
+                    "check trains to 2N)")
+    ap.add_argument("--profile-lr", type=float, default=None,
+                    help="with --profile: Phi's constant step size (default: each run's "
+                    "train.lr)")
+    ap.add_argument("--profile-batch-size", type=int, default=None,
+                    help="with --profile: Phi's batch size (default: each run's "
+                    "train.batch_size)")
+    ap.add_argument("--device", default=None,
+                    help="with --profile: where Phi trains (default: each run's train.device)")
     args = ap.parse_args(argv)
     if args.max_runs is not None and args.max_runs < 1:
         raise UserError(f"--max-runs {args.max_runs}: must be >= 1")
@@ -232,6 +254,11 @@ def _study(argv: list[str]) -> int:
             raise UserError(f"--shard {args.shard}: needs n >= 1 and 0 <= k < n")
         shard = (k, n)
     full = study.load_plan(args.plan, args.out)
+    if args.profile:
+        return _study_profile(args, full, shard)
+    for flag in ("profile_steps", "profile_lr", "profile_batch_size", "device"):
+        if getattr(args, flag) is not None:
+            raise UserError(f"--{flag.replace('_', '-')}: only with --profile")
     if args.stage is not None and full.tune is None:
         raise UserError(f"--stage {args.stage}: plan {full.name} has no tune section")
     stages = ["plain"] if full.tune is None else (
@@ -290,6 +317,7 @@ def _study(argv: list[str]) -> int:
             rows = study.aggregate(plan, runs)
             for folder in [plan.out_dir / "tables", *([args.export] if args.export else [])]:
                 paths = study.write_tables(rows, folder, runs)
+                paths += study.write_t0_choice(runs, folder)  # runs with a validation split
                 if stage == "final":
                     paths += study.write_comparison(runs, folder)
                     if folder != plan.out_dir / "tables":  # the choices the final runs use
@@ -308,6 +336,111 @@ def _study(argv: list[str]) -> int:
     return 0
 
 
+def _profile(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(
+        prog="linattn profile",
+        description="The kernel profile Phi(M) of a run, by its definition: Q/K frozen at the "
+        "kernel M of a snapshot, every other parameter trained from the run's initial "
+        "parameters on the pooled training data (all clients' training samples; the run's "
+        "validation split held out), Phi = the validation loss after --steps minibatch steps "
+        "(the run's optimizer, train.lr and train.batch_size unless given). Each kernel is "
+        "also trained to twice the budget and the relative change of Phi is reported "
+        "(converged: below 1 percent). The run must hold out a validation split "
+        "(partition.validation_fraction).")
+    ap.add_argument("--run", type=Path, required=True, metavar="RUN_DIR",
+                    help="run directory whose config, partition and initial parameters define "
+                    "Phi (config.yaml; partition.npz, rebuilt from the config when absent)")
+    ap.add_argument("--rounds", type=_ints, default=[],
+                    help="comma list of rounds t: Phi at RUN_DIR/checkpoints/round_<t>.pt (a T0 "
+                    "family's head or a reference arm keeps one at every T0 of its sweep)")
+    ap.add_argument("--kernel", type=Path, action="append", default=[], metavar="FILE",
+                    help="also Phi at this checkpoint's Q/K (e.g. a reference run's snapshot), "
+                    "under RUN_DIR's config; repeatable")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="minibatch steps N of the budget (default 4000); the check trains "
+                    "to 2N")
+    ap.add_argument("--lr", type=float, default=None,
+                    help="constant step size (default: the run's train.lr)")
+    ap.add_argument("--batch-size", type=int, default=None,
+                    help="samples per step (default: the run's train.batch_size)")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="minibatch order and dropout seed (default: the run's training seed)")
+    ap.add_argument("--device", default=None,
+                    help="cpu, cuda, cuda:1, ... (default: the run's train.device)")
+    ap.add_argument("--stack", type=int, default=32,
+                    help="kernels trained side by side in one vmap-ed step (default 32; the "
+                    "results do not depend on it beyond round-off)")
+    ap.add_argument("--json", type=Path, metavar="OUT",
+                    help="write the results (one object per kernel) to this JSON file")
+    args = ap.parse_args(argv)
+    from linattn.errors import UserError
+    from linattn.fileio import atomic_write_text
+    from real_data.profile import DEFAULT_STEPS, Budget, run_setup
+
+    budget = Budget(DEFAULT_STEPS if args.steps is None else args.steps, args.lr,
+                    args.batch_size, args.seed)
+    if not args.rounds and not args.kernel:
+        raise UserError("--rounds or --kernel: give at least one kernel to profile")
+    if any(r < 0 for r in args.rounds):
+        raise UserError(f"--rounds {args.rounds}: rounds must be >= 0")
+    if not (args.run / "config.yaml").is_file():
+        raise UserError(f"--run {args.run}: not a run directory (no config.yaml)")
+    kernels = [(f"round {r}", args.run / "checkpoints" / f"round_{r}.pt") for r in args.rounds]
+    kernels += [(str(k), k) for k in args.kernel]
+    for _, path in kernels:  # every file first: a missing one writes nothing
+        if not path.is_file():
+            raise UserError(f"{path}: no such snapshot (--rounds / --kernel); the run keeps "
+                            "checkpoints/round_<t>.pt only at its snapshot rounds")
+    if args.json is not None and args.json.is_dir():
+        raise UserError(f"--json {args.json}: is a folder; give a file name")
+    if args.stack < 1:
+        raise UserError(f"--stack {args.stack}: must be >= 1")
+    setup = run_setup(args.run, args.device)
+    results = setup.phi_many([(str(path), path) for _, path in kernels], budget, args.stack)
+    for (label, _), r in zip(kernels, results, strict=True):
+        check = ("" if r["relative_change"] is None else
+                 f", 2N: {r['phi_doubled']:.4f} (change {100 * r['relative_change']:.2f}%"
+                 f"{'' if r['converged'] else ', NOT converged'})")
+        print(f"{label}: Phi {r['phi']:.4f} (val acc {r['val_acc']:.4f}) after "
+              f"{r['steps']} steps{check}, {r['seconds']:.1f} s")
+    if args.json is not None:
+        import json
+
+        atomic_write_text(args.json, json.dumps({"run": str(args.run), "kernels": results},
+                                                indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _study_profile(args, full, shard) -> int:
+    """``linattn study --plan P --profile``: Phi at every snapshot, then the tables."""
+    from linattn.errors import UserError
+    from real_data import study
+    from real_data.profile import DEFAULT_STEPS, Budget
+
+    budget = Budget(DEFAULT_STEPS if args.profile_steps is None else args.profile_steps,
+                    args.profile_lr, args.profile_batch_size)
+    plan = full
+    if full.tune is not None:
+        choices = None if args.choices is None else study.load_choices(args.choices, full)
+        plan = study.final_plan(full, choices, write=False)
+    if not study.profile_cells(plan):
+        raise UserError(f"--profile: plan {full.name} has no sweep with both a T0 arm "
+                        "(warmup_rounds) and a reference arm (reference: true)")
+    records = study.profile_plan(plan, budget, device=args.device, shard=shard,
+                                 deadline_s=args.deadline, compute=not args.aggregate_only,
+                                 pattern=args.slice)
+    if args.no_tables:
+        return 0
+    rows = study.bias_drift(records)
+    choice = study.chosen_t0(study.run_rows(plan))
+    for folder in [plan.out_dir / "tables", *([args.export] if args.export else [])]:
+        paths = study.write_kernel_profile(rows, folder, budget, choice)
+        paths += study.write_t0_choice(study.run_rows(plan), folder)
+        print(f"wrote {', '.join(str(p) for p in paths)}")
+    return 0
+
+
 def _data(argv: list[str]) -> int:
     from real_data import data_cli
 
@@ -315,7 +448,7 @@ def _data(argv: list[str]) -> int:
 
 
 COMMANDS = {"run": _run, "sweep": _sweep, "study": _study, "data": _data,
-            "pretrain": _pretrain}
+            "pretrain": _pretrain, "profile": _profile}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,7 @@ from linattn.cli import main
 COMMANDS = [
     ["simulate"], ["simulate", "run"], ["simulate", "validate"], ["simulate", "bench"],
     ["reproduce"], ["figure"],
-    ["run"], ["sweep"], ["study"], ["pretrain"],
+    ["run"], ["sweep"], ["study"], ["pretrain"], ["profile"],
     ["data"], ["data", "list"], ["data", "fetch"], ["data", "pack"], ["data", "partition"],
 ]
 MARKUP = ("``", ":func:", ":class:", ":mod:", ":meth:", ":attr:")

@@ -47,6 +47,12 @@ A plan with a ``tune`` section and grids runs in two stages: every grid point on
 scored on a validation split, then the chosen configurations over every seed, compared by
 paired intervals and an equivalence test (:mod:`~real_data.study.tuning`).
 
+``linattn study --plan P --profile`` evaluates the kernel profile Phi (:mod:`real_data.profile`)
+at every T0 snapshot of a T0 arm and of the reference arms and writes kernel bias and drift by
+their definitions (:mod:`~real_data.study.profile_tables`). Where the runs hold out a validation
+split, the tables also give the validation-selected T0 of each T0 arm with a bootstrap interval
+over seeds (``t0_choice.{csv,md}``).
+
 The parts: :mod:`~real_data.study.plan` (the plan file, its runs and their configs),
 :mod:`~real_data.study.runner` (running, resuming, sharding),
 :mod:`~real_data.study.tuning` (the tuning stage and the choice) and
@@ -71,6 +77,13 @@ from real_data.study.plan import (
     run_key,
     run_overrides,
 )
+from real_data.study.profile_tables import (
+    BEST_RULE,
+    bias_drift,
+    profile_cells,
+    profile_plan,
+    write_kernel_profile,
+)
 from real_data.study.runner import (
     FINAL,
     ensure_pretrained,
@@ -84,6 +97,7 @@ from real_data.study.tables import (
     LAST_ROUNDS,
     SCORE_LAST,
     aggregate,
+    chosen_t0,
     compare,
     kernel_deviation,
     pack_results,
@@ -91,6 +105,7 @@ from real_data.study.tables import (
     run_rows,
     write_comparison,
     write_markers,
+    write_t0_choice,
     write_tables,
 )
 from real_data.study.tuning import (
@@ -110,7 +125,14 @@ _status = run_status
 _group_cost = group_cost
 
 __all__ = [
+    "BEST_RULE",
     "CHOICES_FILE",
+    "bias_drift",
+    "chosen_t0",
+    "profile_cells",
+    "profile_plan",
+    "write_kernel_profile",
+    "write_t0_choice",
     "FINAL",
     "LAST_ROUNDS",
     "SCORE_LAST",

@@ -242,7 +242,7 @@ def _kernel_deviations(plan, sweep_name, arm_name, t0, alpha, specs) -> list[flo
     out = []
     for spec in specs:
         source = plan.out_dir / run_key(sweep_name, arm_name, head_t0, alpha, spec.seed)
-        ref = _reference_dir(plan, sweep, refs[0], alpha, spec.seed, t0)
+        ref = reference_dir(plan, sweep, refs[0], alpha, spec.seed, t0)
         a = source / "checkpoints" / f"round_{t0}.pt"
         b = ref / "checkpoints" / f"round_{t0}.pt"
         if a.is_file() and b.is_file():
@@ -251,7 +251,7 @@ def _kernel_deviations(plan, sweep_name, arm_name, t0, alpha, specs) -> list[flo
     return out
 
 
-def _reference_dir(plan: Plan, sweep: Sweep, ref: Arm, alpha, seed: int, t0: int) -> Path:
+def reference_dir(plan: Plan, sweep: Sweep, ref: Arm, alpha, seed: int, t0: int) -> Path:
     """The reference run of this alpha and seed; a reference whose partition ignores alpha
     (``iid``: one client holding the pooled data) is the same run at every alpha, so the one
     of another alpha (same seed) stands in when this alpha's is missing."""
@@ -285,10 +285,10 @@ def write_tables(rows: list[dict], out_dir: Path, runs: list[dict] | None = None
     ``runs`` (:func:`run_rows`) also ``study_per_run.csv`` (one row per run and seed) and
     ``study_paired.{csv,md}`` (each cell minus FedAvg, paired by seed)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = sorted(rows, key=_sort_key)
+    rows = sorted(rows, key=row_order)
     paths = [out_dir / "study.csv", out_dir / "study.json", out_dir / "study.md"]
     if rows:
-        _write_csv(rows, paths[0])
+        write_csv(rows, paths[0])
     atomic_write_text(paths[1], json.dumps(rows, indent=1))
     lines = ["| sweep | alpha | arm | T0 | n | final acc | best acc | rounds to best | "
              "personal acc | acc var (last 10 evals) | grad-norm jump | kernel dev (n) | MB up | "
@@ -318,7 +318,7 @@ def write_comparison(runs: list[dict], out_dir: Path, against: str = "fedavg",
     """``comparison.{csv,md}``: :func:`compare` of every arm with ``against`` on the score
     (mean test accuracy of the last 5 evaluations), paired by seed."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = sorted(compare(runs, against, "score", margin), key=_sort_key)
+    rows = sorted(compare(runs, against, "score", margin), key=row_order)
     paths = [out_dir / "comparison.csv", out_dir / "comparison.md"]
     text = io.StringIO()
     if rows:
@@ -347,12 +347,12 @@ def write_comparison(runs: list[dict], out_dir: Path, against: str = "fedavg",
     return paths
 
 
-def _sort_key(r: dict) -> tuple:
+def row_order(r: dict) -> tuple:
     return (r["sweep"], str(r["alpha"]), r["arm"],
             -1 if r["warmup_rounds"] is None else r["warmup_rounds"], r.get("seed", 0))
 
 
-def _write_csv(rows: list[dict], path: Path) -> None:
+def write_csv(rows: list[dict], path: Path) -> None:
     with open(path, "w", newline="") as fh:
         if rows:
             w = csv.DictWriter(fh, fieldnames=list(rows[0]))
@@ -361,11 +361,11 @@ def _write_csv(rows: list[dict], path: Path) -> None:
 
 
 def _write_run_tables(runs: list[dict], out_dir: Path) -> list[Path]:
-    paired = sorted(paired_differences(runs), key=_sort_key)
+    paired = sorted(paired_differences(runs), key=row_order)
     paths = [out_dir / "study_per_run.csv", out_dir / "study_paired.csv",
              out_dir / "study_paired.md"]
-    _write_csv(sorted(runs, key=_sort_key), paths[0])
-    _write_csv(paired, paths[1])
+    write_csv(sorted(runs, key=row_order), paths[0])
+    write_csv(paired, paths[1])
     lines = ["Final accuracy minus FedAvg's of the same seed, in points: mean over seeds +- its "
              "standard error (ddof = 1), n seeds.", "",
              "| sweep | alpha | arm | T0 | n | minus fedavg (points) | mean / SE |",
@@ -445,3 +445,85 @@ def write_markers(plan: Plan, dest: Path) -> int:
             if plan.pretrained_path(job).is_file():
                 tar.add(plan.pretrained_path(job), arcname=f"pretrained/{job.name}.pt")
     return marked
+
+
+def chosen_t0(runs: list[dict], metric: str = "val_score", n_boot: int = 2000,
+              seed: int = 0, level: float = 0.95) -> list[dict]:
+    """The validation-selected T0 per (sweep, alpha, T0 arm) and a bootstrap interval over
+    seeds.
+
+    ``runs``: :func:`run_rows` (or any dicts with ``sweep, alpha, arm, warmup_rounds, seed``,
+    ``metric`` and optionally ``score``). Only seeds with a run at every T0 of the arm count.
+    The chosen T0 maximizes the mean of ``metric`` (default the validation score, the mean
+    validation accuracy of the last 5 evaluations) over those seeds; a diverged run (NaN)
+    counts as -inf, so a T0 that diverged on some seed is picked only if every T0 did; ties go
+    to the smaller T0. The interval: ``n_boot`` resamples of the seeds with replacement, each
+    re-picking the argmax of the resampled mean; ``t0_low``/``t0_high`` are the
+    (1 - level)/2 and (1 + level)/2 percentiles of the picked T0 (inverted CDF, so grid
+    values), ``share_chosen`` the share of resamples that pick the chosen T0. ``test_score``:
+    the mean test score over the same seeds at the chosen T0 (the test set only scores).
+    """
+    groups: dict[tuple, dict[int, dict[int, dict]]] = {}
+    for r in runs:
+        if r["warmup_rounds"] is None:
+            continue
+        groups.setdefault((r["sweep"], r["alpha"], r["arm"]), {}).setdefault(
+            r["warmup_rounds"], {})[r["seed"]] = r
+    rng = np.random.default_rng(seed)
+    out = []
+    for (sweep, alpha, arm), by_t0 in groups.items():
+        t0s = sorted(by_t0)
+        seeds = sorted(set.intersection(*(set(v) for v in by_t0.values())))
+        if not seeds:
+            continue
+        vals = np.array([[by_t0[t][s][metric] for t in t0s] for s in seeds], dtype=np.float64)
+        vals = np.where(np.isfinite(vals), vals, -np.inf)
+        if not np.isfinite(vals).any():
+            continue
+        best = int(np.argmax(vals.mean(0)))
+        picks = np.empty(n_boot, dtype=np.int64)
+        for b in range(n_boot):
+            sample = vals[rng.integers(0, len(seeds), len(seeds))]
+            picks[b] = t0s[int(np.argmax(sample.mean(0)))]
+        lo, hi = np.percentile(picks, [50 * (1 - level), 50 * (1 + level)],
+                               method="inverted_cdf")
+        test = [by_t0[t0s[best]][s].get("score", np.nan) for s in seeds]
+        out.append({"sweep": sweep, "alpha": alpha, "arm": arm, "n_seeds": len(seeds),
+                    "t0_grid": t0s, "chosen_t0": t0s[best], "metric": metric,
+                    "chosen_mean": float(vals.mean(0)[best]),
+                    "t0_low": int(lo), "t0_high": int(hi),
+                    "share_chosen": float(np.mean(picks == t0s[best])),
+                    "test_score": float(np.mean(test)) if test else None,
+                    "n_boot": n_boot, "level": level})
+    return sorted(out, key=lambda r: (r["sweep"], str(r["alpha"]), r["arm"]))
+
+
+def t0_choice_lines(rows: list[dict]) -> list[str]:
+    """Markdown lines of :func:`chosen_t0`'s rows."""
+    lines = ["Validation-selected T0 (argmax over the grid of the mean validation score over "
+             "seeds) and its bootstrap interval over seeds (resampled, argmax re-picked); the "
+             "test score is read at the chosen T0 only.", "",
+             "| sweep | alpha | arm | n | chosen T0 | interval | share | val score | "
+             "test score |", "|" + "---|" * 9]
+    for r in rows:
+        pct = f"{100 * r['level']:g}%"
+        test = "-" if r["test_score"] is None or not np.isfinite(r["test_score"]) else \
+            f"{r['test_score']:.4f}"
+        lines.append(f"| {r['sweep']} | {'natural' if r['alpha'] is None else r['alpha']} | "
+                     f"{r['arm']} | {r['n_seeds']} | {r['chosen_t0']} | "
+                     f"[{r['t0_low']}, {r['t0_high']}] ({pct}) | {r['share_chosen']:.2f} | "
+                     f"{r['chosen_mean']:.4f} | {test} |")
+    return lines
+
+
+def write_t0_choice(runs: list[dict], out_dir: Path) -> list[Path]:
+    """``t0_choice.{csv,md}`` (:func:`chosen_t0`) when some T0 run has a validation score;
+    nothing otherwise."""
+    rows = chosen_t0(runs)
+    if not rows:
+        return []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / "t0_choice.csv", out_dir / "t0_choice.md"]
+    write_csv([{**r, "t0_grid": " ".join(map(str, r["t0_grid"]))} for r in rows], paths[0])
+    atomic_write_text(paths[1], "\n".join(t0_choice_lines(rows)) + "\n")
+    return paths

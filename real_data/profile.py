@@ -1,0 +1,360 @@
+"""The kernel profile Phi(M) of a real network, by its definition (THEORY.md section 5).
+
+Phi(M) is the validation loss reached when the query/key block (the parameter group of kind
+``qk``: every layer's ``attn.q`` and ``attn.k`` weights and biases, the "kernel" M) is frozen at
+M and every other parameter trains on the POOLED training data of a run: every client's
+training samples, with the run's validation split held out exactly as the run held it out (the
+run's ``partition.npz``, or the same partition rebuilt from its config). The loss is read on
+that validation split; the test set is never read.
+
+Phi depends on M alone, for a given run config:
+
+- every parameter other than Q/K starts from the run's initial parameters for its seed (the
+  round-0 global model: the model built from ``seeds.training``, after ``train.init_from`` or
+  the algorithm's own initialization), whatever the snapshot holding M carries for them;
+- the budget is fixed (:class:`Budget`): ``steps`` minibatch steps of ``batch_size`` samples
+  (default: the run's ``train.batch_size``) with the run's optimizer (``train.optimizer``,
+  ``train.momentum``, ``train.weight_decay``, ``train.clip_grad_norm``) at a constant step
+  size (default: the run's ``train.lr``; a learning-rate schedule is not applied);
+- the minibatches are fixed too: passes over the pooled training samples, each a permutation
+  drawn from ``numpy.random.default_rng([seed, PROFILE_STREAM])`` (``seed``: the run's
+  training seed unless the budget names one) and cut into full batches, the tail of a pass
+  dropped; a new pass starts when one is used up. Dropout (where the model has it) draws from
+  ``torch.manual_seed(seed)``.
+
+Training runs in float32 (float64 for a ``precision: fp64`` run), without autocast, on
+``train.device`` unless a device is given. Several kernels train side by side (their
+parameters stacked, one ``vmap``-ed gradient per step on the same minibatch, the optimizer
+rules of :mod:`real_data.engines.optim`); a kernel's Phi does not depend on the others in its
+stack, up to floating-point round-off. The model is the plain network: an algorithm's own
+forward (FedTP's hypernetwork, FedSQ's structure) is not used.
+
+**Convergence check.** The same training continued to ``2 * steps`` (the step-``steps`` state
+is a prefix of the doubled budget's, so the doubled run costs ``steps`` more steps) gives
+Phi at twice the budget; ``relative_change = |Phi(2N) - Phi(N)| / |Phi(N)|`` is reported with
+``converged = relative_change < 0.01`` (THEORY.md asks for < 1%). A kernel whose check fails
+is reported as such, never dropped.
+
+``linattn profile --run RUN_DIR --rounds 0,20,50`` evaluates Phi at a run's warm-up snapshots
+``checkpoints/round_<t>.pt``; ``--kernel FILE`` at any checkpoint (another run's, e.g. a
+drift-free reference's) under this run's config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from linattn.errors import ConfigError, UserError
+
+PROFILE_STREAM = 20231  # the minibatch stream's second seed word (apart from training's)
+TOLERANCE = 0.01  # the doubled-budget check: relative change of Phi below 1%
+DEFAULT_STEPS = 4000
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How the parameters other than Q/K train for Phi.
+
+    Attributes
+    ----------
+    steps : int
+        Minibatch steps N (Phi is read at N; the check at 2N).
+    lr : float or None
+        Constant step size; ``None``: the run's ``train.lr``.
+    batch_size : int or None
+        Samples per step; ``None``: the run's ``train.batch_size``.
+    seed : int or None
+        Seed of the minibatch order and dropout; ``None``: the run's training seed.
+    check : bool
+        Also train to ``2 * steps`` and report the relative change (the convergence check).
+    """
+
+    steps: int = DEFAULT_STEPS
+    lr: float | None = None
+    batch_size: int | None = None
+    seed: int | None = None
+    check: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+            raise ConfigError(f"--steps (--profile-steps) {self.steps}: must be an integer "
+                              ">= 1")
+        if self.lr is not None and not self.lr > 0:
+            raise ConfigError(f"--lr (--profile-lr) {self.lr}: must be > 0")
+        if self.batch_size is not None and self.batch_size < 1:
+            raise ConfigError(f"--batch-size (--profile-batch-size) {self.batch_size}: must "
+                              "be >= 1")
+
+    def tag(self) -> str:
+        """A file-name part that names the budget (the profile cache's key)."""
+        parts = [f"steps{self.steps}"]
+        if self.lr is not None:
+            parts.append(f"lr{self.lr:g}")
+        if self.batch_size is not None:
+            parts.append(f"bs{self.batch_size}")
+        if self.seed is not None:
+            parts.append(f"seed{self.seed}")
+        return "_".join(parts)
+
+
+def batch_order(n: int, batch_size: int, steps: int, seed: int) -> np.ndarray:
+    """``(steps, batch_size)`` positions into the pooled training samples (module docstring):
+    successive permutations from ``default_rng([seed, PROFILE_STREAM])``, full batches only."""
+    if batch_size > n:
+        raise ConfigError(f"--batch-size {batch_size} exceeds the {n} pooled training samples")
+    rng = np.random.default_rng([seed, PROFILE_STREAM])
+    per_pass = n // batch_size
+    out = []
+    while len(out) < steps:
+        perm = rng.permutation(n)
+        out.extend(perm[: per_pass * batch_size].reshape(per_pass, batch_size))
+    return np.stack(out[:steps])
+
+
+@dataclass
+class ProfileSetup:
+    """A run config bound to its data, partition and initial parameters: Phi for many kernels
+    without reloading anything (:func:`profile_setup`)."""
+
+    cfg: object
+    fed: object  # the run's Federation (model, data on the device, initial parameters)
+    init: dict[str, torch.Tensor]
+    qk_names: tuple[str, ...]
+    pooled: np.ndarray  # pooled training indices into x_train, sorted
+
+    def phi(self, kernel, budget: Budget, label: str = "") -> dict:
+        """Phi of one kernel (a checkpoint path or a dict of Q/K tensors)."""
+        return _profile_many(self, [(label, kernel)], budget)[0]
+
+    def phi_many(self, kernels: list[tuple[str, object]], budget: Budget,
+                 stack: int = 32) -> list[dict]:
+        """Phi of every ``(label, kernel)``, ``stack`` kernels trained side by side at a
+        time (:func:`_profile_many`)."""
+        if stack < 1:
+            raise ConfigError(f"--stack {stack}: must be >= 1")
+        out = []
+        for i in range(0, len(kernels), stack):
+            out += _profile_many(self, kernels[i:i + stack], budget)
+        return out
+
+
+def profile_setup(cfg, dataset=None, partition=None, device: str | None = None
+                  ) -> ProfileSetup:
+    """Bind ``cfg`` (a run's config) to its data and partition (loaded here unless given) and
+    its round-0 parameters. Raises UserError when the run holds out no validation split or its
+    model has no Q/K block."""
+    from real_data.device import resolve_device
+    from real_data.federation import Federation
+    from real_data.runs import load_data, make_partition_for, shifted
+
+    if cfg.partition.validation_fraction is None:
+        raise UserError("the run holds out no validation split (partition.validation_fraction "
+                        "is null), so Phi has nothing to be read on; profile a run that holds "
+                        "one out, e.g. partition.validation_fraction=0.1")
+    if dataset is None:  # one data set kept: a plan's cells mostly share theirs
+        key = repr(cfg.data)
+        if _DATASET.get("key") != key:
+            _DATASET.clear()
+            _DATASET.update(key=key, data=load_data(cfg))
+        dataset = _DATASET["data"]
+    partition = make_partition_for(cfg, dataset) if partition is None else partition
+    dataset, partition = shifted(cfg, dataset, partition)
+    if cfg.train.precision == "bf16":  # Phi trains without autocast (module docstring)
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision="fp32"))
+    fed = Federation(cfg, dataset, partition,
+                     device=resolve_device(device or cfg.train.device))
+    if not fed.qk_names:
+        raise UserError(f"model {cfg.model.name} has no query/key block (no parameter group of "
+                        "kind qk): it has no kernel to profile")
+    init = {n: t.detach().clone() for n, t in fed.initial_state().global_params.items()}
+    pooled = np.sort(np.concatenate([np.asarray(p, np.int64) for p in partition.train]))
+    return ProfileSetup(cfg, fed, init, tuple(fed.qk_names), pooled)
+
+
+_DATASET: dict = {}
+
+
+def load_kernel(source, qk_names: tuple[str, ...], shapes: dict[str, tuple]
+                ) -> tuple[dict[str, torch.Tensor], int | None]:
+    """The Q/K tensors of ``source`` (a checkpoint path: a run's ``checkpoints/*.pt``, a packed
+    archive's Q/K-only snapshot, a ``linattn pretrain`` file; or a dict of tensors) and the
+    round it holds (None when unknown). Raises UserError naming the file when it is missing or
+    has no Q/K tensors of this model."""
+    where = "the kernel"
+    rnd = None
+    if isinstance(source, dict):
+        params = source
+    else:
+        path = Path(source)
+        where = str(path)
+        if not path.is_file():
+            raise UserError(f"{path}: no such snapshot; list the run's checkpoints/ folder "
+                            "(a T0 family keeps checkpoints/round_<t>.pt at each of its T0)")
+        try:
+            payload = torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as exc:  # noqa: BLE001 - truncated or foreign file
+            raise UserError(f"{path}: not a readable checkpoint ({type(exc).__name__})") \
+                from None
+        if not isinstance(payload, dict):
+            raise UserError(f"{path}: not a linattn checkpoint")
+        params = payload.get("global_params", payload.get("params"))
+        rnd = payload.get("round")
+        if not isinstance(params, dict):
+            raise UserError(f"{path}: holds no parameters (no global_params)")
+    missing = [n for n in qk_names if n not in params]
+    if missing:
+        raise UserError(f"{where}: holds no Q/K tensors of this model (missing {missing[:3]}); "
+                        "give a snapshot of a run with the same model")
+    bad = [n for n in qk_names if tuple(params[n].shape) != tuple(shapes[n])]
+    if bad:
+        raise UserError(f"{where}: {bad[0]} has shape {tuple(params[bad[0]].shape)}, the "
+                        f"model {tuple(shapes[bad[0]])}; give a snapshot of the same model")
+    return {n: params[n].detach() for n in qk_names}, (int(rnd) if rnd is not None else None)
+
+
+def _profile_many(setup: ProfileSetup, kernels: list[tuple[str, object]], budget: Budget
+                  ) -> list[dict]:
+    """Phi of every ``(label, source)`` kernel, trained side by side: the parameters of each
+    kernel are stacked on a leading axis and one ``vmap`` of the gradient steps them all on the
+    same minibatch (the optimizer rules of :mod:`real_data.engines.optim`, torch's SGD and Adam
+    and ``clip_grad_norm_`` per kernel). A kernel's Phi does not depend on the others in its
+    stack, up to floating-point round-off; dropout masks are shared across the stack
+    (``randomness="same"``), so they too depend on the seed alone."""
+    from torch.func import functional_call, grad, vmap
+
+    from real_data.engines import optim
+    from real_data.engines.base import OptimizerSpec, task_loss
+    from real_data.metrics import evaluate
+
+    fed, cfg = setup.fed, setup.cfg
+    model = fed.model
+    shapes = {n: tuple(t.shape) for n, t in setup.init.items()}
+    loaded = [load_kernel(src, setup.qk_names, shapes) for _, src in kernels]
+    t = cfg.train
+    lr = t.lr if budget.lr is None else budget.lr
+    bs = t.batch_size if budget.batch_size is None else budget.batch_size
+    seed = cfg.role_seed("training") if budget.seed is None else budget.seed
+    spec = OptimizerSpec(name=t.optimizer, lr=lr, momentum=t.momentum,
+                         weight_decay=t.weight_decay, clip_grad_norm=t.clip_grad_norm)
+    frozen = set(setup.qk_names)
+    c = len(kernels)
+    device, dtype = fed.device, next(iter(setup.init.values())).dtype
+    qk = {n: torch.stack([k[n].to(device, dtype) for k, _ in loaded]) for n in setup.qk_names}
+    train = {n: p.to(device).unsqueeze(0).repeat(c, *([1] * p.dim()))
+             for n, p in setup.init.items() if n not in frozen}
+
+    def objective(own, kernel, xb, yb):
+        return task_loss(functional_call(model, {**own, **kernel}, (xb,)), yb)
+
+    step_grads = vmap(grad(objective), in_dims=(0, 0, None, None), randomness="same")
+    state = optim.init_state(spec, train)
+    total = budget.steps * (2 if budget.check else 1)
+    order = batch_order(len(setup.pooled), bs, total, seed)
+    index = torch.as_tensor(setup.pooled[order], device=device)
+    dropout = float(getattr(cfg.model.params, "dropout", 0.0)) > 0
+    x, y = fed.x_train, fed.y_train
+    reads: list[list[tuple[float, float]]] = []
+    start = time.perf_counter()
+    devices = [device] if device.type == "cuda" else []
+    count = torch.zeros(c, dtype=torch.int64, device=device)
+    try:
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            model.train(dropout)
+            for step in range(total):
+                ix = index[step]
+                grads = step_grads(train, qk, x[ix], y[ix])
+                if spec.clip_grad_norm is not None:
+                    optim.clip_(grads, optim.grad_norms(grads), spec.clip_grad_norm)
+                count += 1
+                train = optim.step(spec, train, grads, state, count)
+                if step + 1 in (budget.steps, 2 * budget.steps):
+                    model.eval()
+                    reads.append(_evaluate_each(model, train, qk, fed, cfg, evaluate,
+                                                functional_call))
+                    if not any(np.isfinite(v) for v, _ in reads[-1]):
+                        break
+                    model.train(dropout)
+    finally:
+        model.eval()
+    seconds = (time.perf_counter() - start) / c
+    out = []
+    for i, ((label, src), (_, rnd)) in enumerate(zip(kernels, loaded, strict=True)):
+        rec = {"kernel": label or (str(src) if not isinstance(src, dict) else ""),
+               "kernel_round": rnd, "phi": reads[0][i][0], "val_acc": reads[0][i][1],
+               "steps": budget.steps, "lr": lr, "batch_size": bs, "optimizer": t.optimizer,
+               "momentum": t.momentum, "weight_decay": t.weight_decay,
+               "clip_grad_norm": t.clip_grad_norm, "seed": seed,
+               "train_samples": int(len(setup.pooled)), "val_samples": int(len(fed.y_val)),
+               "phi_doubled": None, "val_acc_doubled": None, "relative_change": None,
+               "converged": None, "stacked": c, "seconds": seconds}
+        if budget.check:
+            if len(reads) > 1 and np.isfinite(reads[0][i][0]):
+                phi, twice = reads[0][i][0], reads[1][i][0]
+                rec["phi_doubled"], rec["val_acc_doubled"] = twice, reads[1][i][1]
+                rel = abs(twice - phi) / max(abs(phi), 1e-300)
+                rec["relative_change"] = float(rel)
+                rec["converged"] = bool(rel < TOLERANCE)
+            else:  # non-finite at N: no check
+                rec["converged"] = False
+        out.append(rec)
+    return out
+
+
+def _evaluate_each(model, train, qk, fed, cfg, evaluate, functional_call
+                   ) -> list[tuple[float, float]]:
+    """(validation loss, accuracy) of each stacked kernel's model."""
+    out = []
+    with torch.no_grad():
+        for i in range(next(iter(qk.values())).shape[0]):
+            params = {**{n: v[i] for n, v in train.items()}, **{n: v[i] for n, v in qk.items()}}
+            loss, hit = evaluate(lambda xb, p=params: functional_call(model, p, (xb,)),
+                                 fed.x_val, fed.y_val, cfg.eval.batch_size)
+            out.append((float(loss.mean()), float(hit.mean())))
+    return out
+
+
+def kernel_profile(cfg, kernel_source, budget: Budget | None = None, *, dataset=None,
+                   partition=None, device: str | None = None) -> dict:
+    """Phi(M) for the Q/K tensors M of ``kernel_source`` under run config ``cfg``.
+
+    Every other parameter starts from the run's initial parameters for its seed, so Phi
+    depends on M alone (module docstring). ``partition``: the run's own (its
+    ``partition.npz``); rebuilt from ``cfg`` when not given.
+
+    Returns a dict: ``phi`` (validation loss after ``budget.steps`` steps), ``val_acc``,
+    with the budget's check
+    ``phi_doubled``, ``val_acc_doubled``, ``relative_change`` and ``converged``
+    (relative change < 1%), the settings used (``steps``, ``lr``, ``batch_size``,
+    ``optimizer``, ``momentum``, ``weight_decay``, ``clip_grad_norm``, ``seed``), the sample
+    counts and ``seconds``.
+    """
+    budget = Budget() if budget is None else budget
+    setup = profile_setup(cfg, dataset, partition, device)
+    return setup.phi(kernel_source, budget)
+
+
+def run_setup(run_dir: Path, device: str | None = None, dataset=None) -> ProfileSetup:
+    """:func:`profile_setup` for a run directory: its ``config.yaml`` and ``partition.npz``
+    (rebuilt from the config when absent, e.g. in an unpacked study archive)."""
+    from linattn.configio import load_yaml
+    from real_data.config import config_from_dict
+
+    run_dir = Path(run_dir)
+    saved = run_dir / "config.yaml"
+    if not saved.is_file():
+        raise UserError(f"--run {run_dir}: not a run directory (no config.yaml); give the folder "
+                        "`linattn run` or `linattn study` wrote")
+    cfg = config_from_dict(load_yaml(saved), source=saved)
+    partition = None
+    if (run_dir / "partition.npz").is_file():
+        from real_data.data import load_partition
+
+        partition = load_partition(run_dir / "partition.npz")
+    return profile_setup(cfg, dataset, partition, device)

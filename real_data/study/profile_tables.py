@@ -1,0 +1,264 @@
+"""Kernel bias and drift of a study, by their definitions (THEORY.md section 5).
+
+For every sweep with a T0 arm (``warmup_rounds``) and at least one ``reference`` arm, every
+alpha and seed (a *cell*), Phi (:mod:`real_data.profile`) is evaluated under ONE config, the
+T0 family head's (its data, partition and validation split, its initial parameters, its
+optimizer and lr), at
+
+- M_T0: the T0 family head's warm-up snapshot ``checkpoints/round_<T0>.pt``, each T0 of the arm;
+- M_ref,T0: each reference arm's snapshot at the same round (a reference keeps one at every T0
+  of its sweep). Two references are meant: FedAvg on an IID re-partition with the same clients,
+  K and lr (``partition.scheme=iid``, same ``num_clients``: isolates heterogeneity), and the
+  theory's pooled single client (``partition.num_clients=1``). A reference whose partition
+  ignores alpha stands in for a missing one of another alpha (same seed), as for the kernel
+  deviation.
+
+Then, per cell, T0 arm, T0 and reference::
+
+    bias(T0)  = Phi(M_ref,T0) - Phi_best
+    drift(T0) = Phi(M_T0) - Phi(M_ref,T0)
+
+**Phi_best** is Phi at the kernel of the longest-trained reference: the pooled single-client
+reference (the reference arm with ``partition.num_clients=1``; the plan's first reference arm
+when none has one client) at its last snapshot round (the largest T0 of the sweep's grid,
+T when the grid holds T). It is one number per cell, shared by both references, so the two
+bias curves are comparable; it is not a minimum over kernels, and a bias below 0 says a kernel
+of the reference's trajectory before T already profiles better than the last one.
+
+Every Phi is cached as JSON under ``<out_dir>/profiles/<sweep>/<alpha>/seed=<s>/`` (named by
+kernel and budget), so the evaluation resumes after a kill and shards over workers
+(``linattn study --plan P --profile --shard k/n``). The tables, ``kernel_profile.{csv,json,md}``,
+hold one row per cell, T0 arm, T0 and reference (Phi values, bias, drift, the doubled-budget
+checks) and the mean +- std over seeds.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from linattn.fileio import atomic_write_text
+from real_data.study.plan import Arm, Plan, Sweep, run_config, run_key
+from real_data.study.tables import reference_dir, row_order, write_csv
+
+BEST_RULE = ("Phi_best = Phi at the pooled single-client reference's kernel at its last "
+             "snapshot round (the longest-trained reference)")
+
+
+def _alpha_part(alpha) -> str:
+    return "natural" if alpha is None else f"alpha={alpha:g}"
+
+
+def _t0_arms(sweep: Sweep) -> list[Arm]:
+    return [a for a in sweep.arms if a.warmup_rounds and not a.reference]
+
+
+def _refs(sweep: Sweep) -> list[Arm]:
+    return [a for a in sweep.arms if a.reference]
+
+
+def _pooled_ref(plan: Plan, sweep: Sweep) -> Arm:
+    """The reference arm with one client (the theory's pooled reference), else the first."""
+    from real_data.study.plan import RunSpec
+
+    for arm in _refs(sweep):
+        spec = RunSpec("", sweep, arm, sweep.alphas[0], sweep.seeds[0], None,
+                       plan.out_dir / run_key(sweep.name, arm.name, None, sweep.alphas[0],
+                                              sweep.seeds[0]))
+        if run_config(spec, None).partition.num_clients == 1:
+            return arm
+    return _refs(sweep)[0]
+
+
+def profile_cells(plan: Plan) -> list[dict]:
+    """Every cell of the plan (module docstring): the evaluating run, the kernels and the
+    reference that gives Phi_best. Kernel entries: ``(kind, arm, round, snapshot path)`` with
+    kind ``fed`` or ``ref``."""
+    cells = []
+    for sw in plan.sweeps:
+        arms, refs = _t0_arms(sw), _refs(sw)
+        if not arms or not refs:
+            continue
+        grid = sorted({t for a in sw.arms for t in a.warmup_rounds})
+        best_arm = _pooled_ref(plan, sw)
+        for alpha in sw.alphas:
+            for seed in sw.seeds:
+                head = arms[0]
+                evaluating = plan.out_dir / run_key(sw.name, head.name, head.warmup_rounds[0],
+                                                    alpha, seed)
+                kernels = []
+                for arm in arms:
+                    src = plan.out_dir / run_key(sw.name, arm.name, arm.warmup_rounds[0],
+                                                 alpha, seed)
+                    kernels += [("fed", arm.name, t, src / "checkpoints" / f"round_{t}.pt")
+                                for t in sorted(arm.warmup_rounds)]
+                for ref in refs:
+                    for t in grid:
+                        rdir = reference_dir(plan, sw, ref, alpha, seed, t)
+                        kernels.append(("ref", ref.name, t, rdir / "checkpoints" /
+                                        f"round_{t}.pt"))
+                cells.append({"sweep": sw.name, "alpha": alpha, "seed": seed,
+                              "run_dir": evaluating, "kernels": kernels,
+                              "best": (best_arm.name, grid[-1]),
+                              "cache": plan.out_dir / "profiles" / sw.name / _alpha_part(alpha)
+                              / f"seed={seed}"})
+    return cells
+
+
+def _cache_file(cell: dict, kind: str, arm: str, t: int, budget) -> Path:
+    return cell["cache"] / f"{kind}_{arm}_round{t}__{budget.tag()}.json"
+
+
+def profile_plan(plan: Plan, budget, log=print, device: str | None = None,
+                 shard: tuple[int, int] | None = None, deadline_s: float | None = None,
+                 compute: bool = True, stack: int = 32,
+                 pattern: list[str] | None = None) -> list[dict]:
+    """Phi at every kernel of every cell (``shard=(k, n)``: the k-th of every n cells), read
+    from the cache or computed and cached (``compute=False``: only read); a cell's missing
+    kernels train side by side, ``stack`` at a time. ``deadline_s``: start no new cell after
+    this many seconds. ``pattern``: globs over the run keys (``--slice``); a cell is kept when
+    one of its runs matches. Returns one record per kernel found (missing snapshots are logged
+    and left out)."""
+    from real_data.profile import run_setup
+
+    cells = profile_cells(plan)
+    if pattern:
+        cells = [c for c in cells if any(
+            fnmatch.fnmatch(str(path.parents[1].relative_to(plan.out_dir)), p)
+            for *_, path in c["kernels"] for p in pattern)]
+    if shard is not None:
+        cells = cells[shard[0]::shard[1]]
+    start = time.perf_counter()
+    records = []
+    for cell in cells:
+        late = deadline_s is not None and time.perf_counter() - start > deadline_s
+        todo = [(k, a, t, p) for k, a, t, p in cell["kernels"]
+                if not _cache_file(cell, k, a, t, budget).is_file() and p.is_file()]
+        if compute and todo and not late and (cell["run_dir"] / "config.yaml").is_file():
+            setup = run_setup(cell["run_dir"], device)
+            results = setup.phi_many([(str(p), p) for *_, p in todo], budget, stack)
+            for (kind, arm, t, _), res in zip(todo, results, strict=True):
+                cache = _cache_file(cell, kind, arm, t, budget)
+                cache.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_text(cache, json.dumps(res, indent=1))
+                log(f"profile {cell['sweep']}/{_alpha_part(cell['alpha'])}/seed="
+                    f"{cell['seed']} {kind} {arm} round {t}: Phi {res['phi']:.4f}"
+                    + ("" if res["relative_change"] is None else
+                       f" (2N change {100 * res['relative_change']:.2f}%)"))
+        for kind, arm, t, path in cell["kernels"]:
+            cache = _cache_file(cell, kind, arm, t, budget)
+            if cache.is_file():
+                res = json.loads(cache.read_text())
+                records.append({"sweep": cell["sweep"], "alpha": cell["alpha"],
+                                "seed": cell["seed"], "kind": kind, "arm": arm, "round": t,
+                                "best": cell["best"], **res})
+            elif compute and not late:
+                log(f"profile: {path} missing, left out")
+    return records
+
+
+def bias_drift(records: list[dict]) -> list[dict]:
+    """One row per cell, T0 arm, T0 and reference (``records``: :func:`profile_plan`'s, or any
+    dicts with ``sweep, alpha, seed, kind, arm, round, phi, relative_change, converged`` and
+    ``best = (reference arm, round)``): Phi of the federated kernel, of the reference's at the
+    same round and Phi_best, ``bias = phi_ref - phi_best`` and ``drift = phi_fed - phi_ref``.
+    A row is left out when one of its three Phi values is missing."""
+    phi: dict[tuple, dict] = {}
+    for r in records:
+        phi[(r["sweep"], r["alpha"], r["seed"], r["kind"], r["arm"], r["round"])] = r
+    out = []
+    for (sweep, alpha, seed, kind, arm, t), fed in phi.items():
+        if kind != "fed":
+            continue
+        best_arm, best_t = fed["best"]
+        best = phi.get((sweep, alpha, seed, "ref", best_arm, best_t))
+        if best is None:
+            continue
+        refs = sorted({k[4] for k in phi if k[:4] == (sweep, alpha, seed, "ref")})
+        for ref_arm in refs:
+            ref = phi.get((sweep, alpha, seed, "ref", ref_arm, t))
+            if ref is None:
+                continue
+            out.append({"sweep": sweep, "alpha": alpha, "seed": seed, "arm": arm,
+                        "warmup_rounds": t, "reference": ref_arm,
+                        "phi_fed": fed["phi"], "phi_ref": ref["phi"], "phi_best": best["phi"],
+                        "best_kernel": f"{best_arm}@{best_t}",
+                        "bias": ref["phi"] - best["phi"], "drift": fed["phi"] - ref["phi"],
+                        "val_acc_fed": fed.get("val_acc"), "val_acc_ref": ref.get("val_acc"),
+                        "rel_change_fed": fed.get("relative_change"),
+                        "rel_change_ref": ref.get("relative_change"),
+                        "rel_change_best": best.get("relative_change"),
+                        "converged": all(bool(x.get("converged")) for x in (fed, ref, best)),
+                        "steps": fed.get("steps")})
+    return sorted(out, key=lambda r: (*row_order(r), r["reference"]))
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Mean, std and n over seeds of the Phi values, bias and drift per (sweep, alpha, arm,
+    T0, reference), with the number of seeds whose three kernels all passed the check."""
+    cells: dict[tuple, list[dict]] = {}
+    for r in rows:
+        cells.setdefault((r["sweep"], r["alpha"], r["arm"], r["warmup_rounds"],
+                          r["reference"]), []).append(r)
+    out = []
+    for (sweep, alpha, arm, t, ref), items in cells.items():
+        rec = {"sweep": sweep, "alpha": alpha, "arm": arm, "warmup_rounds": t,
+               "reference": ref, "n_seeds": len(items),
+               "n_converged": sum(bool(r["converged"]) for r in items)}
+        for key in ("phi_fed", "phi_ref", "phi_best", "bias", "drift"):
+            v = np.array([r[key] for r in items], dtype=np.float64)
+            rec[f"{key}_mean"], rec[f"{key}_std"] = float(np.mean(v)), float(np.std(v))
+        changes = [r[k] for r in items for k in ("rel_change_fed", "rel_change_ref",
+                                                   "rel_change_best") if r[k] is not None]
+        rec["max_rel_change"] = float(max(changes)) if changes else None
+        out.append(rec)
+    return sorted(out, key=lambda r: (*row_order(r), r["reference"]))
+
+
+def write_kernel_profile(rows: list[dict], out_dir: Path, budget=None,
+                         t0_choice: list[dict] | None = None) -> list[Path]:
+    """``kernel_profile.csv`` (one row per seed), ``.json`` (rows, summary, the budget, the
+    Phi_best rule and the chosen T0 intervals) and ``.md`` (mean +- std over seeds)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary = summarize(rows)
+    paths = [out_dir / "kernel_profile.csv", out_dir / "kernel_profile.json",
+             out_dir / "kernel_profile.md"]
+    write_csv(rows, paths[0])
+    if not rows:
+        atomic_write_text(paths[0], "")
+    meta = {"budget": None if budget is None else {"steps": budget.steps, "lr": budget.lr,
+                                                   "batch_size": budget.batch_size,
+                                                   "seed": budget.seed},
+            "phi_best": BEST_RULE, "rows": rows, "summary": summary,
+            "t0_choice": t0_choice or []}
+    atomic_write_text(paths[1], json.dumps(meta, indent=1))
+    steps = "" if budget is None else f" after {budget.steps} steps (check: {2 * budget.steps})"
+    lines = [f"Phi: validation loss with Q/K frozen, the rest trained on the pooled training "
+             f"data{steps}. bias = Phi(M_ref,T0) - Phi_best, drift = Phi(M_T0) - "
+             f"Phi(M_ref,T0); {BEST_RULE}. Mean +- std over seeds; converged: seeds whose "
+             "three kernels changed Phi by < 1% at twice the budget.", "",
+             "| sweep | alpha | arm | T0 | reference | n | Phi(M_T0) | Phi(M_ref,T0) | "
+             "Phi_best | bias | drift | converged | max 2N change |", "|" + "---|" * 13]
+
+    def f(r, key):
+        return f"{r[key + '_mean']:.4f} +- {r[key + '_std']:.4f}"
+
+    for r in summary:
+        change = "-" if r["max_rel_change"] is None else f"{100 * r['max_rel_change']:.2f}%"
+        lines.append(f"| {r['sweep']} | {'natural' if r['alpha'] is None else r['alpha']} | "
+                     f"{r['arm']} | {r['warmup_rounds']} | {r['reference']} | {r['n_seeds']} | "
+                     f"{f(r, 'phi_fed')} | {f(r, 'phi_ref')} | {f(r, 'phi_best')} | "
+                     f"{f(r, 'bias')} | {f(r, 'drift')} | {r['n_converged']}/{r['n_seeds']} | "
+                     f"{change} |")
+    if t0_choice:
+        from real_data.study.tables import t0_choice_lines
+
+        lines += ["", *t0_choice_lines(t0_choice)]
+    atomic_write_text(paths[2], "\n".join(lines) + "\n")
+    return paths
+

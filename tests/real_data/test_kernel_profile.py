@@ -1,0 +1,326 @@
+"""The kernel profile Phi(M) on a real network (real_data.profile), kernel bias and drift over
+a study plan (real_data.study.profile_tables), the bootstrap interval of the chosen T0, and the
+shipped P3 plan."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+
+from linattn.cli import main as linattn_main
+from real_data import study
+from real_data.profile import PROFILE_STREAM, Budget, kernel_profile, run_setup
+
+# a tiny run that holds out a validation split, trained with every part of the SGD rule the
+# profile replays (momentum, weight decay, clipping)
+RUN = ["model.dim=8", "model.mlp_dim=16", "model.depth=1", "model.heads=2",
+       "train.batch_size=8", "train.local_steps=3", "run.progress=false", "run.plot=false",
+       "eval.clients=false", "partition.validation_fraction=0.2", "train.optimizer=sgd",
+       "train.lr=0.2", "train.momentum=0.5", "train.weight_decay=0.0001",
+       "train.clip_grad_norm=1.0", "algorithm.name=fedavg", "train.rounds=3",
+       "train.device=cpu"]
+STEPS = 30
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    from real_data.config import load_config
+    from real_data.runs import start_run
+
+    out = tmp_path_factory.mktemp("profile") / "run"
+    start_run(load_config("digits_vit", RUN), out=out, snapshot_rounds=(0, 3))
+    return out
+
+
+def plain_phi(run_dir, snapshot, steps: int) -> tuple[float, float]:
+    """Phi by hand: the run's initial model, Q/K from the snapshot and frozen, torch's SGD on
+    the pooled training samples in the documented order, the validation loss at the end."""
+    from linattn.configio import load_yaml
+    from real_data.config import config_from_dict
+    from real_data.data import load_partition
+    from real_data.models import build_model, names_of_kind
+    from real_data.runs import load_data
+
+    cfg = config_from_dict(load_yaml(run_dir / "config.yaml"))
+    data = load_data(cfg)
+    part = load_partition(run_dir / "partition.npz")
+    model = build_model("vit", cfg.model.params, cfg.role_seed("training"))
+    qk = set(names_of_kind(model.param_groups(), "qk"))
+    snap = torch.load(snapshot, weights_only=False)["global_params"]
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in qk:
+                p.copy_(snap[n])
+                p.requires_grad_(False)
+    rest = [p for n, p in model.named_parameters() if n not in qk]
+    t = cfg.train
+    opt = torch.optim.SGD(rest, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+    pooled = np.sort(np.concatenate(part.train))
+    rng = np.random.default_rng([cfg.role_seed("training"), PROFILE_STREAM])
+    batches = []
+    while len(batches) < steps:
+        perm = rng.permutation(len(pooled))
+        whole = len(pooled) // t.batch_size
+        batches += list(perm[: whole * t.batch_size].reshape(whole, t.batch_size))
+    x, y = data.x_train.float(), data.y_train
+    for b in batches[:steps]:
+        ix = torch.as_tensor(pooled[b])
+        loss = F.cross_entropy(model(x[ix]), y[ix])
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(rest, t.clip_grad_norm)
+        opt.step()
+    with torch.no_grad():
+        val = torch.as_tensor(part.val_pooled)
+        logits = model(x[val])
+        return (float(F.cross_entropy(logits, y[val])),
+                float((logits.argmax(1) == y[val]).double().mean()))
+
+
+def test_phi_equals_a_plain_loop(run_dir):
+    snap = run_dir / "checkpoints" / "round_3.pt"
+    res = kernel_profile(run_setup(run_dir).cfg, snap, Budget(STEPS, check=False))
+    phi, acc = plain_phi(run_dir, snap, STEPS)
+    assert res["phi"] == pytest.approx(phi, rel=1e-5)  # fp32 on the CPU: round-off
+    assert res["val_acc"] == pytest.approx(acc, abs=1e-12)
+    assert res["steps"] == STEPS and res["lr"] == 0.2 and res["batch_size"] == 8
+    assert res["phi_doubled"] is None and res["converged"] is None
+
+
+def test_phi_depends_on_the_kernel_alone(run_dir, tmp_path):
+    """A snapshot with other non-Q/K parameters (and another round) but the same Q/K gives
+    the same Phi to the bit; another Q/K gives another Phi."""
+    setup = run_setup(run_dir)
+    snap = run_dir / "checkpoints" / "round_3.pt"
+    payload = torch.load(snap, weights_only=False)
+    gen = torch.Generator().manual_seed(1)
+    payload["global_params"] = {
+        n: t if n in setup.qk_names else t + torch.randn(t.shape, generator=gen)
+        for n, t in payload["global_params"].items()}
+    payload["round"] = 1
+    other = tmp_path / "other.pt"
+    torch.save(payload, other)
+    budget = Budget(STEPS, check=False)
+    a, b = setup.phi(snap, budget), setup.phi(other, budget)
+    assert a["phi"] == b["phi"] and a["val_acc"] == b["val_acc"]
+    assert (a["kernel_round"], b["kernel_round"]) == (3, 1)
+    start = setup.phi(run_dir / "checkpoints" / "round_0.pt", budget)
+    assert abs(start["phi"] - a["phi"]) > 1e-6
+    # the same again through a fresh setup: nothing of one evaluation leaks into the next
+    assert kernel_profile(setup.cfg, snap, budget)["phi"] == a["phi"]
+    # trained side by side with other kernels: the same Phi up to round-off (fp32)
+    many = setup.phi_many([("a", snap), ("0", run_dir / "checkpoints" / "round_0.pt"),
+                           ("b", other)], budget, stack=3)
+    assert many[0]["phi"] == pytest.approx(a["phi"], rel=1e-6)
+    assert many[1]["phi"] == pytest.approx(start["phi"], rel=1e-6)
+    assert many[2]["phi"] == many[0]["phi"] and many[0]["stacked"] == 3
+
+
+def test_phi_from_a_packed_run_needs_only_its_config_and_qk(run_dir, tmp_path):
+    """A study archive keeps a run's config.yaml and Q/K-only snapshots (pack_results): the
+    partition is rebuilt from the config and the initial parameters from its seed, so Phi is
+    the same as in the full run directory."""
+    import shutil
+
+    setup = run_setup(run_dir)
+    packed = tmp_path / "packed"
+    (packed / "checkpoints").mkdir(parents=True)
+    shutil.copy(run_dir / "config.yaml", packed / "config.yaml")
+    full = torch.load(run_dir / "checkpoints" / "round_3.pt", weights_only=False)
+    torch.save({"global_params": {n: full["global_params"][n] for n in setup.qk_names}},
+               packed / "checkpoints" / "round_3.pt")
+    budget = Budget(STEPS, check=False)
+    a = setup.phi(run_dir / "checkpoints" / "round_3.pt", budget)
+    b = run_setup(packed).phi(packed / "checkpoints" / "round_3.pt", budget)
+    assert a["phi"] == b["phi"] and b["kernel_round"] is None
+
+
+def test_the_doubled_budget_check_is_reported(run_dir):
+    setup = run_setup(run_dir)
+    snap = run_dir / "checkpoints" / "round_3.pt"
+    res = setup.phi(snap, Budget(STEPS))
+    twice = setup.phi(snap, Budget(2 * STEPS, check=False))
+    assert res["phi_doubled"] == pytest.approx(twice["phi"], rel=1e-12)  # the same run
+    assert res["relative_change"] == pytest.approx(
+        abs(res["phi_doubled"] - res["phi"]) / res["phi"], rel=1e-12)
+    assert res["converged"] == (res["relative_change"] < 0.01)
+
+
+PLAN = {
+    "name": "tiny_profile",
+    "seeds": [0],
+    "sweeps": [{
+        "name": "digits",
+        "config": "digits_vit",
+        "overrides": [o for o in RUN if not o.startswith(("algorithm.", "train.rounds"))]
+        + ["train.rounds=3"],
+        "alphas": [0.5],
+        "arms": [
+            {"name": "frozen", "overrides": ["algorithm.name=fedfrozen",
+                                             "algorithm.train=all_but_qk"],
+             "warmup_rounds": [0, 2, 3]},
+            {"name": "reference_iid", "overrides": ["algorithm.name=fedavg",
+                                                    "partition.scheme=iid"], "reference": True},
+            {"name": "reference", "overrides": ["algorithm.name=fedavg", "partition.scheme=iid",
+                                                "partition.num_clients=1"], "reference": True},
+        ],
+    }],
+}
+
+
+def test_bias_and_drift_of_a_tiny_plan(tmp_path):
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(PLAN))
+    plan = study.load_plan(path, tmp_path / "out")
+    study.run_study(plan, log=lambda *_: None)
+    budget = Budget(20)
+    records = study.profile_plan(plan, budget, log=lambda *_: None)
+    assert len(records) == 3 * 3  # three T0 of the arm, three rounds of each reference
+    phi = {(r["kind"], r["arm"], r["round"]): r["phi"] for r in records}
+    rows = study.bias_drift(records)
+    assert len(rows) == 3 * 2  # every T0 against both references
+    best = phi[("ref", "reference", 3)]  # the pooled single client at its last snapshot
+    for r in rows:
+        t, ref = r["warmup_rounds"], r["reference"]
+        assert r["phi_best"] == best and r["best_kernel"] == "reference@3"
+        assert r["bias"] == pytest.approx(phi[("ref", ref, t)] - best, abs=1e-12)
+        assert r["drift"] == pytest.approx(phi[("fed", "frozen", t)] - phi[("ref", ref, t)],
+                                           abs=1e-12)
+    # T0 = 0: every run starts from the seed's initial kernel, so no drift yet
+    assert all(r["drift"] == 0.0 for r in rows if r["warmup_rounds"] == 0)
+    # Phi is evaluated under the T0 family head's config
+    head = plan.out_dir / "digits/frozen-T0=3/alpha=0.5/seed=0"
+    direct = run_setup(head).phi(head / "checkpoints" / "round_2.pt", budget)
+    assert direct["phi"] == pytest.approx(phi[("fed", "frozen", 2)], rel=1e-6)  # stacked
+    # cached: read back without training anything
+    again = study.profile_plan(plan, budget, log=lambda *_: None, compute=False)
+    assert [r["phi"] for r in again] == [r["phi"] for r in records]
+    sliced = study.profile_plan(plan, budget, compute=False, pattern=["digits/ref*/*/seed=0"])
+    assert len(sliced) == len(records)  # a cell is kept when one of its runs matches
+    assert study.profile_plan(plan, budget, compute=False, pattern=["other/*"]) == []
+    paths = study.write_kernel_profile(rows, tmp_path / "tables", budget,
+                                       study.chosen_t0(study.run_rows(plan)))
+    data = json.loads(paths[1].read_text())
+    assert len(data["rows"]) == 6 and data["budget"]["steps"] == 20
+    assert data["summary"][0]["n_seeds"] == 1 and data["t0_choice"][0]["arm"] == "frozen"
+    assert "| digits | 0.5 | frozen | 3 | reference |" in paths[2].read_text()
+    # through the command line: reads the cache, writes the tables
+    assert linattn_main(["study", "--plan", str(path), "--out", str(tmp_path / "out"),
+                         "--profile", "--profile-steps", "20", "--aggregate-only"]) == 0
+    assert (tmp_path / "out" / "tables" / "kernel_profile.md").is_file()
+
+
+def test_bias_drift_arithmetic_on_synthetic_records():
+    def rec(kind, arm, t, phi, seed=0):
+        return {"sweep": "s", "alpha": 0.1, "seed": seed, "kind": kind, "arm": arm, "round": t,
+                "phi": phi, "relative_change": 0.001, "converged": True,
+                "best": ("pooled", 10)}
+
+    records = [rec("fed", "ff", 0, 2.0), rec("fed", "ff", 10, 1.5),
+               rec("ref", "pooled", 0, 2.0), rec("ref", "pooled", 10, 1.0),
+               rec("ref", "iid", 0, 2.0), rec("ref", "iid", 10, 1.25)]
+    rows = {(r["warmup_rounds"], r["reference"]): r for r in study.bias_drift(records)}
+    assert rows[(10, "pooled")]["bias"] == 0.0 and rows[(10, "pooled")]["drift"] == 0.5
+    assert rows[(10, "iid")]["bias"] == 0.25 and rows[(10, "iid")]["drift"] == 0.25
+    assert rows[(0, "iid")]["bias"] == 1.0 and rows[(0, "iid")]["drift"] == 0.0
+    # without Phi_best's kernel a cell has no rows
+    assert study.bias_drift(records[:2] + records[4:]) == []
+
+
+def _runs(values: dict[int, list[float]], test: float = 0.5) -> list[dict]:
+    return [{"sweep": "s", "alpha": 0.1, "arm": "ff", "warmup_rounds": t, "seed": s,
+             "val_score": v, "score": test} for t, vs in values.items()
+            for s, v in enumerate(vs)]
+
+
+def test_chosen_t0_and_its_bootstrap_interval():
+    # T0 = 20 is best on every seed: every resample picks it
+    clear = study.chosen_t0(_runs({0: [0.5, 0.52, 0.51], 20: [0.7, 0.71, 0.69],
+                                   200: [0.6, 0.6, 0.61]}))
+    assert len(clear) == 1
+    c = clear[0]
+    assert (c["chosen_t0"], c["t0_low"], c["t0_high"], c["share_chosen"]) == (20, 20, 20, 1.0)
+    assert c["chosen_mean"] == pytest.approx(0.7, abs=1e-12) and c["n_seeds"] == 3
+    assert c["t0_grid"] == [0, 20, 200] and c["test_score"] == 0.5
+    # seeds disagree: seed 0 prefers 0, seeds 1 and 2 prefer 200
+    mixed = study.chosen_t0(_runs({0: [0.9, 0.5, 0.5], 200: [0.1, 0.6, 0.6]}), n_boot=4000)[0]
+    assert mixed["chosen_t0"] == 0  # mean 0.633 against 0.433
+    # a resample picks 200 only without seed 0 (0.8 k > 0.1 (3 - k) for k >= 1 copies of
+    # it): probability (2/3)^3 = 8/27, so 0 is picked with 19/27 and both ends are in
+    assert mixed["t0_low"] == 0 and mixed["t0_high"] == 200
+    assert mixed["share_chosen"] == pytest.approx(19 / 27, abs=0.03)
+    # the same seed, the same interval; a diverged run (NaN) is never picked
+    assert study.chosen_t0(_runs({0: [0.9, 0.5, 0.5], 200: [0.1, 0.6, 0.6]}),
+                           n_boot=4000)[0] == mixed
+    nan = study.chosen_t0(_runs({0: [np.nan, 0.5, 0.5], 200: [0.1, 0.2, 0.2]}))[0]
+    assert nan["chosen_t0"] == 200
+    # a seed missing at some T0 leaves the comparison
+    partial = _runs({0: [0.9, 0.5], 200: [0.1, 0.6, 0.6]})
+    assert study.chosen_t0(partial)[0]["n_seeds"] == 2
+
+
+def test_bad_inputs_exit_2_and_write_nothing(run_dir, tmp_path, capsys):
+    out = tmp_path / "phi.json"
+
+    def cli(*args):
+        code = linattn_main(["profile", "--run", str(run_dir), "--json", str(out), *args])
+        return code, capsys.readouterr().err
+
+    code, err = cli("--rounds", "0,2")  # round 2 was not kept
+    assert code == 2 and "round_2.pt" in err and not out.exists()
+    code, err = cli("--rounds", "0", "--steps", "0")
+    assert code == 2 and "--steps" in err and not out.exists()
+    code, err = cli("--kernel", str(tmp_path / "none.pt"))
+    assert code == 2 and "none.pt" in err and not out.exists()
+    bare = tmp_path / "bare.pt"  # a file without the model's Q/K
+    torch.save({"round": 0, "global_params": {"head.weight": torch.zeros(1)}}, bare)
+    code, err = cli("--kernel", str(bare), "--steps", "1")
+    assert code == 2 and "bare.pt" in err and "Q/K" in err and not out.exists()
+    code = linattn_main(["profile", "--run", str(tmp_path), "--rounds", "0"])
+    assert code == 2 and "config.yaml" in capsys.readouterr().err
+    # a run without a validation split: Phi has nothing to be read on
+    from real_data.config import load_config
+    from real_data.runs import start_run
+
+    plain = tmp_path / "noval"
+    start_run(load_config("digits_vit", [o for o in RUN if "validation" not in o]), out=plain,
+              snapshot_rounds=(0,))
+    code = linattn_main(["profile", "--run", str(plain), "--rounds", "0", "--json", str(out)])
+    assert code == 2 and "partition.validation_fraction" in capsys.readouterr().err
+    assert not out.exists()
+    # the whole command works
+    assert linattn_main(["profile", "--run", str(run_dir), "--rounds", "0,3", "--steps", "5",
+                         "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [k["kernel_round"] for k in data["kernels"]] == [0, 3]
+    assert all(k["relative_change"] is not None for k in data["kernels"])
+    # a plan without a reference arm has nothing to compare
+    plan = yaml.safe_load(yaml.safe_dump(PLAN))
+    plan["sweeps"][0]["arms"] = plan["sweeps"][0]["arms"][:1]
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump(plan))
+    code = linattn_main(["study", "--plan", str(tmp_path / "plan.yaml"), "--out",
+                         str(tmp_path / "o"), "--profile"])
+    assert code == 2 and "reference" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_shipped_p3_plan_expands(capsys):
+    plan = study.load_plan("p3")
+    specs = study.plan_runs(plan)
+    assert {s.seed for s in specs} == {0, 1, 2}
+    for spec in specs[::53]:  # a sample of configs resolves
+        cfg = study.run_config(spec, spec.warmup_rounds)
+        assert cfg.partition.validation_fraction == 0.1 and cfg.train.rounds == 200
+    for sw in plan.sweeps:  # every sweep has the T0 grid and both references
+        grid = {t for a in sw.arms for t in a.warmup_rounds}
+        assert grid == {0, 5, 10, 20, 40, 80, 120, 160, 200}, sw.name
+        assert len([a for a in sw.arms if a.reference]) >= 1, sw.name
+    assert len(study.profile_cells(plan)) == sum(len(sw.alphas) * len(sw.seeds)
+                                                 for sw in plan.sweeps)
+    assert linattn_main(["study", "--plan", "p3", "--list"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == len(specs)
