@@ -155,6 +155,28 @@ def _pretrain(argv: list[str]) -> int:
     return 0
 
 
+def study_threads(threads: int | None, shard: tuple[int, int] | None,
+                  cores: int | None = None) -> int | None:
+    """The CPU threads a study worker sets (``None``: leave torch's own): ``--threads`` when
+    given (at least 1, else a UserError naming it); else none where ``OMP_NUM_THREADS`` is
+    set; else, for ``--shard k/n``, the cores divided by n, since n workers side by side
+    would each start one thread per core and oversubscribe them n times over."""
+    import os
+
+    from linattn.errors import UserError
+
+    if threads is not None:
+        if threads < 1:
+            raise UserError(f"--threads {threads}: must be >= 1")
+        return threads
+    if os.environ.get("OMP_NUM_THREADS") or shard is None:
+        return None
+    if cores is None:
+        cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                 else os.cpu_count() or 1)
+    return max(1, cores // shard[1])
+
+
 def _study(argv: list[str]) -> int:
     import argparse
     from pathlib import Path
@@ -180,6 +202,12 @@ def _study(argv: list[str]) -> int:
                     "ends within SECONDS (for time-limited GPU calls)")
     ap.add_argument("--shard", help="k/n: run the k-th (0-based) of n cost-balanced parts of "
                     "the selection (n workers side by side)")
+    ap.add_argument("--threads", type=int, metavar="N",
+                    help="CPU threads of this worker (torch.set_num_threads): data shifts, "
+                    "partitions and CPU training run on them. Default: OMP_NUM_THREADS when "
+                    "set; with --shard k/n, the machine's cores divided by n (n workers side "
+                    "by side share them; more threads than cores slow every worker down); "
+                    "else torch's own (all cores)")
     ap.add_argument("--pending", action="store_true",
                     help="run only the groups not yet finished and, with --shard, balance the "
                     "parts over them, weighed by measured seconds per round (all workers must "
@@ -253,6 +281,11 @@ def _study(argv: list[str]) -> int:
         if not (n >= 1 and 0 <= k < n):
             raise UserError(f"--shard {args.shard}: needs n >= 1 and 0 <= k < n")
         shard = (k, n)
+    threads = study_threads(args.threads, shard)
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
     full = study.load_plan(args.plan, args.out)
     if args.profile:
         return _study_profile(args, full, shard)

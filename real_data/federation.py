@@ -536,22 +536,43 @@ _FLOPS: dict[tuple, int] = {}  # step FLOPs by (forward, model, batch, stage, tr
 
 
 _DATA: dict[tuple, tuple] = {}  # (id of the data set, device, dtype) -> its tensors there
+_TENSORS: dict[tuple, tuple] = {}  # (id of a CPU tensor, device, dtype) -> (it, its copy)
 
 
 def _device_data(dataset, device: torch.device, dtype: torch.dtype) -> tuple:
     """The data set's splits on ``device`` (images in ``dtype``), one copy for every federation
-    of the data set in this process, so that stacked runs share the tensors they index."""
+    of the data set in this process, so that stacked runs share the tensors they index. Each
+    tensor moves once: data sets that share one (the inputs of concept-shifted data sets,
+    :func:`real_data.data.shift.apply_shift`) share its copy too."""
     key = (id(dataset), str(device), dtype)
     if key not in _DATA or _DATA[key][0] is not dataset:
         while len(_DATA) >= 2:
             _DATA.pop(next(iter(_DATA)))
             _VAL.clear()  # validation copies keep their data set's tensors alive
-        data = dataset.to(device)
-        floating = data.x_train.is_floating_point()
-        cast = (lambda v: v.to(dtype)) if floating else (lambda v: v)
-        _DATA[key] = (dataset, (cast(data.x_train), data.y_train, cast(data.x_test),
-                                data.y_test))
+        floating = dataset.x_train.is_floating_point()
+        _DATA[key] = (dataset, (_on_device(dataset.x_train, device, dtype if floating else None),
+                                _on_device(dataset.y_train, device, None),
+                                _on_device(dataset.x_test, device, dtype if floating else None),
+                                _on_device(dataset.y_test, device, None)))
     return _DATA[key][1]
+
+
+def _on_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None
+               ) -> torch.Tensor:
+    """``t`` on ``device`` (in ``dtype`` unless ``None``), one copy per tensor in this process
+    (the :data:`DEVICE_TENSORS` tensors asked for last are kept)."""
+    key = (id(t), str(device), dtype)
+    if key in _TENSORS and _TENSORS[key][0] is t:
+        _TENSORS[key] = _TENSORS.pop(key)  # the most recently asked for goes last
+        return _TENSORS[key][1]
+    while len(_TENSORS) >= DEVICE_TENSORS:
+        _TENSORS.pop(next(iter(_TENSORS)))
+    moved = t.to(device)
+    _TENSORS[key] = (t, moved if dtype is None else moved.to(dtype))
+    return _TENSORS[key][1]
+
+
+DEVICE_TENSORS = 8  # two data sets' four splits
 
 
 def _validation_data(partition, x_train: torch.Tensor, y_train: torch.Tensor) -> tuple:

@@ -17,6 +17,7 @@ leaves no directory; an OS fault mid-run keeps ``last.pt`` and names the resume 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import shutil
@@ -83,7 +84,8 @@ def shifted(cfg: Config, dataset, partition) -> tuple:
     """``(dataset, partition)`` under ``partition.shift`` (:mod:`real_data.data.shift`): the
     run directory keeps the unshifted partition and the config, from which the shifted data
     are rebuilt. One copy per data set, partition and shift in this process, so stacked runs
-    on one partition share it."""
+    on one partition share it: the last :data:`SHIFTED_KEPT` are kept, and inside
+    :func:`shared_shifts` (a stacked group) every one built there, each built once."""
     if cfg.partition.shift is None:
         return dataset, partition
     from real_data.data.shift import apply_shift
@@ -91,14 +93,36 @@ def shifted(cfg: Config, dataset, partition) -> tuple:
     key = (id(dataset), partition.seed, repr(sorted(cfg.partition.shift.items())),
            hash(np.concatenate([*partition.train, *partition.val]).tobytes()),
            hash(np.concatenate(partition.test).tobytes()))
-    if key not in _SHIFTED or _SHIFTED[key][0] is not dataset:
-        while len(_SHIFTED) >= 8:
-            _SHIFTED.pop(next(iter(_SHIFTED)))
-        _SHIFTED[key] = (dataset, apply_shift(dataset, partition, cfg.partition.shift))
-    return _SHIFTED[key][1]
+    for cache in (_SCOPES[-1] if _SCOPES else {}, _SHIFTED):
+        if key in cache and cache[key][0] is dataset:
+            hit = cache[key]
+            break
+    else:
+        hit = (dataset, apply_shift(dataset, partition, cfg.partition.shift))
+    if _SCOPES:
+        _SCOPES[-1][key] = hit
+    _SHIFTED.pop(key, None)
+    while len(_SHIFTED) >= SHIFTED_KEPT:
+        _SHIFTED.pop(next(iter(_SHIFTED)))
+    _SHIFTED[key] = hit
+    return hit[1]
 
 
+SHIFTED_KEPT = 8
 _SHIFTED: dict[tuple, tuple] = {}
+_SCOPES: list[dict] = []
+
+
+@contextlib.contextmanager
+def shared_shifts():
+    """Inside: every shifted data set :func:`shifted` builds is kept until the block ends, so
+    a stacked group builds each (data set, partition, shift) once, however many runs and
+    distinct partitions it holds and in whatever order they come."""
+    _SCOPES.append({})
+    try:
+        yield
+    finally:
+        _SCOPES.pop()
 
 
 def resolve(cfg: Config, dataset) -> Config:

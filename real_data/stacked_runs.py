@@ -46,8 +46,9 @@ from real_data.runs import (
     prepare_resume,
     prepare_start,
     release_device_caches,
+    shared_shifts,
 )
-from real_data.stacking import train_jobs
+from real_data.stacking import clear_pool, train_jobs
 
 FAILED = object()  # what run_group's guard gives for a run that failed and left the group
 
@@ -140,6 +141,8 @@ def run_group(requests: list[RunRequest], dataset=None, device: torch.device | N
     of ``train.engine=vectorized`` runs with at least :data:`COMPILE_PAYS_RUN_ROUNDS`
     run-rounds to train, where the compilation pays for itself; ``"always"`` and ``"never"``
     decide it regardless (``train.engine=vectorized_compiled`` always compiles).
+    ``log``: a line once the group is prepared, before its first round (its runs, engine and
+    preparation seconds), and one per branch forked or skipped.
     ``on_round_end(round, run_dir)``: as in :func:`~real_data.runs.start_run`, for every run.
     ``on_error(label, exception)``: a run whose preparation, server update or files fail is
     reported here and leaves the group while the others go on (without it, the error
@@ -147,6 +150,17 @@ def run_group(requests: list[RunRequest], dataset=None, device: torch.device | N
     Returns ``(label, result)`` of every run and branch trained here, in the order they
     finished (a request or branch finished before the call returns nothing).
     """
+    if compile not in ("auto", "always", "never"):
+        raise ValueError(f"compile={compile!r}: one of 'auto', 'always', 'never'")
+    with shared_shifts():  # each shifted data set of the group built once
+        try:
+            return _run_group(requests, dataset, device, log, on_round_end, on_error, compile)
+        finally:
+            clear_pool()  # the group's pooled training data (shifted runs)
+
+
+def _run_group(requests, dataset, device, log, on_round_end, on_error, compile
+               ) -> list[tuple[object, RunResult]]:
     def guarded(label, fn, *args):
         """``fn(*args)``; with ``on_error``, a failure is reported and gives ``FAILED``."""
         if on_error is None:
@@ -159,8 +173,7 @@ def run_group(requests: list[RunRequest], dataset=None, device: torch.device | N
             on_error(label, exc)
             return FAILED
 
-    if compile not in ("auto", "always", "never"):
-        raise ValueError(f"compile={compile!r}: one of 'auto', 'always', 'never'")
+    t_prepare = time.perf_counter()
     alone = [r for r in requests
              if trains_alone(r.cfg if r.cfg is not None else _saved_config(r.run_dir))]
     for r in alone:
@@ -188,8 +201,9 @@ def run_group(requests: list[RunRequest], dataset=None, device: torch.device | N
         compiled = engine == "vectorized_compiled" or compile == "always"
     stacked = (None if engine == "sequential" else
                (lambda job: fast.train_fast(job, compile=True)) if compiled else fast.train_fast)
-    if compiled:
-        log(f"stacked group of {len(members)} runs: compiled engine")
+    if members:
+        log(f"stacked group of {len(members)} runs: {'compiled' if compiled else 'eager'} "
+            f"engine, prepared in {time.perf_counter() - t_prepare:.1f} s")
     for m in members:
         if m.fed.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(m.fed.device)

@@ -10,7 +10,11 @@ already do, and the fast engine trains them together:
    client's gradient (and so its norm, clipping, weight decay and update) to its own run's set,
 3. each client steps with its own run's learning rate (a tensor, so a change of lr never
    recompiles or recaptures),
-4. the round's minibatch plans are concatenated (padded to the longest with idle steps),
+4. the round's minibatch plans are concatenated (padded to the longest with idle steps); runs
+   whose training tensors differ (shifted data sets: each partition and shift relabels or
+   transforms the data its own way, :mod:`real_data.data.shift`) index one pooled copy of
+   their tensors, each run's indices offset to its own block (:func:`pooled_data`; built
+   once per set of tensors, so a group's call keeps one data tensor from round to round),
 5. a run whose algorithm adds a local term expressible per client (``local_terms``: FedProx's
    proximal weight, SCAFFOLD's gradient offset c - c_m) or a step correction brings it as data:
    per-client offsets, weights and corrections, zero for the other runs.
@@ -54,16 +58,61 @@ def stackable(job: LocalJob) -> bool:
 
 
 def compatible(a: LocalJob, b: LocalJob) -> bool:
-    """True when two stackable jobs can go into one engine call."""
+    """True when two stackable jobs can go into one engine call (their data may be different
+    tensors of one shape per sample, dtype and device: :func:`pooled_data`)."""
     sa, sb = a.optimizer, b.optimizer
     same_spec = dataclasses.replace(sa, lr=0.0) == dataclasses.replace(sb, lr=0.0)
     shapes = {n: tuple(t.shape) for n, t in a.global_params.items()}
-    return (same_spec and a.x is b.x and a.y is b.y and a.autocast == b.autocast
+    return (same_spec and _same_kind(a.x, b.x) and _same_kind(a.y, b.y)
+            and a.autocast == b.autocast
             and shapes == {n: tuple(t.shape) for n, t in b.global_params.items()}
             and next(iter(a.global_params.values())).dtype
             == next(iter(b.global_params.values())).dtype
             and type(a.model) is type(b.model)
             and a.batches.idx.shape[2] == b.batches.idx.shape[2])
+
+
+def _same_kind(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a is b or (a.shape[1:] == b.shape[1:] and a.dtype == b.dtype
+                      and a.device == b.device)
+
+
+_POOL: dict[str, tuple] = {}  # "last": (pairs, x, y, offsets by (id(x), id(y)))
+
+
+def pooled_data(pairs: list[tuple[torch.Tensor, torch.Tensor]]
+                ) -> tuple[torch.Tensor, torch.Tensor, dict[tuple[int, int], int]]:
+    """One ``(x, y)`` holding every distinct pair of ``pairs`` (training inputs and labels of
+    stacked runs) one after another, and the row where each pair starts (by the ids of its
+    tensors). A single pair is returned as it is. The last pool is kept, and serves any call
+    whose pairs it holds (a group whose runs finish keeps its data tensor, and so its CUDA
+    graphs); a call with a new pair pools the old pairs and the new ones again;
+    :func:`clear_pool` drops it."""
+    distinct: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    for x, y in pairs:
+        distinct.setdefault((id(x), id(y)), (x, y))
+    if len(distinct) == 1:
+        (key, (x, y)), = distinct.items()
+        return x, y, {key: 0}
+    last = _POOL.get("last")
+    if last is not None and all(k in last[3] and last[0][k][0] is x and last[0][k][1] is y
+                                for k, (x, y) in distinct.items()):
+        return last[1], last[2], last[3]
+    if last is not None:  # keep the old pairs: runs come back to them in later rounds
+        distinct = {**last[0], **distinct}
+    offsets, start = {}, 0
+    for k, (x, _) in distinct.items():
+        offsets[k] = start
+        start += len(x)
+    x = torch.cat([x for x, _ in distinct.values()])
+    y = torch.cat([y for _, y in distinct.values()])
+    _POOL["last"] = (distinct, x, y, offsets)
+    return x, y, offsets
+
+
+def clear_pool() -> None:
+    """Drop the pooled data of :func:`pooled_data` (a stacked group calls it at its end)."""
+    _POOL.clear()
 
 
 def _pad_steps(b: Batches, steps: int) -> Batches:
@@ -97,11 +146,14 @@ def stack_jobs(jobs: list[LocalJob], pad_clients: int | None = None) -> LocalJob
     terms = _local_terms(jobs, trainable)
     steps = max(int(j.batches.idx.shape[1]) for j in jobs)
     padded = [_pad_steps(j.batches, steps) for j in jobs]
-    batches = Batches(torch.cat([b.idx for b in padded]), torch.cat([b.active for b in padded]),
+    x, y, offsets = pooled_data([(j.x, j.y) for j in jobs])
+    idx = [b.idx + offsets[(id(j.x), id(j.y))] if offsets[(id(j.x), id(j.y))] else b.idx
+           for j, b in zip(jobs, padded)]
+    batches = Batches(torch.cat(idx), torch.cat([b.active for b in padded]),
                       torch.cat([b.steps for b in padded]))
     return LocalJob(model=first.model, algorithm=first.algorithm,
                     global_params=first.global_params, trainable=trainable, batches=batches,
-                    x=first.x, y=first.y, optimizer=first.optimizer,
+                    x=x, y=y, optimizer=first.optimizer,
                     client_ids=np.concatenate([j.client_ids for j in jobs]),
                     dropout_seed=first.dropout_seed, overrides=overrides,
                     autocast=first.autocast, lr=lr, train_mask=mask,

@@ -8,6 +8,8 @@
 # (--pending-before).
 # DONE_ARCHIVE (optional): a `linattn study --markers` archive
 # of the groups finished on earlier machines, so they are skipped here.
+# Each worker (--shard k/n) takes the machine's cores divided by the n workers as its CPU
+# threads (`linattn study --threads`); OMP_NUM_THREADS, when set, decides instead.
 # Usage: bash scripts/gpu_study.sh PLAN SECONDS WORKERS_PER_GPU OUTDIR [--slice GLOB ...]
 # Data: LINATTN_DATA must point at a folder holding the packed data sets (`linattn data pack`).
 set -uo pipefail

@@ -133,12 +133,14 @@ def client_parameters(num_clients: int, seed: int) -> np.ndarray:
 def _transform(x: torch.Tensor, shift: Shift, u: float, pattern: torch.Tensor | None
                ) -> torch.Tensor:
     if shift.transform == "rotation":
+        # one client, one rotation: the sampling grid of one image serves every image
         theta = math.radians(shift.spread * u)
         c, s = math.cos(theta), math.sin(theta)
-        mat = torch.tensor([[c, -s, 0.0], [s, c, 0.0]], dtype=x.dtype).expand(len(x), 2, 3)
-        grid = torch.nn.functional.affine_grid(mat, list(x.shape), align_corners=False)
-        return torch.nn.functional.grid_sample(x, grid, mode="bilinear",
-                                               padding_mode="border", align_corners=False)
+        mat = torch.tensor([[[c, -s, 0.0], [s, c, 0.0]]], dtype=x.dtype)
+        grid = torch.nn.functional.affine_grid(mat, [1, *x.shape[1:]], align_corners=False)
+        return torch.nn.functional.grid_sample(x, grid.expand(len(x), *grid.shape[1:]),
+                                               mode="bilinear", padding_mode="border",
+                                               align_corners=False)
     if shift.transform == "contrast":
         mean = x.mean(dim=(1, 2, 3), keepdim=True)
         return mean + math.exp(shift.spread * u) * (x - mean)
@@ -160,7 +162,10 @@ def apply_shift(dataset: TensorDataset, partition: Partition, shift: Shift | dic
         raise DataError(f"partition.shift needs an image data set with class labels; "
                         f"{dataset.name} is a {dataset.task} data set")
     m_count = partition.num_clients
-    x_train, y_train = dataset.x_train.clone(), dataset.y_train.clone()
+    # concept shift changes labels only: the shifted data set shares the inputs' tensor, so
+    # runs on any partition or labelling hold (and move to a device) one copy of them
+    x_train = dataset.x_train if shift.kind == "concept" else dataset.x_train.clone()
+    y_train = dataset.y_train.clone()
     owned = [*partition.train, *(partition.val or ())]
     owners = [*range(m_count), *(range(m_count) if partition.val else ())]
     if shift.kind == "concept":
@@ -184,7 +189,10 @@ def apply_shift(dataset: TensorDataset, partition: Partition, shift: Shift | dic
 
     for idx, m in zip(owned, owners):
         ix = torch.as_tensor(idx, dtype=torch.int64)
-        x_train[ix], y_train[ix] = shifted(x_train[ix], y_train[ix], m)
+        if shift.kind == "concept":
+            y_train[ix] = maps[m][y_train[ix]]
+        else:
+            x_train[ix] = shifted(x_train[ix], None, m)[0]
     xs, ys, tests, start = [], [], [], 0
     for m, idx in enumerate(partition.test):
         ix = torch.as_tensor(idx, dtype=torch.int64)

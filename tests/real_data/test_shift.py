@@ -26,7 +26,7 @@ def test_concept_shift_relabels_per_group_and_keeps_inputs(data):
     moved = np.flatnonzero(maps[1] != np.arange(10))
     assert len(moved) == 4 and set(maps[1][moved]) == set(moved)  # a derangement of 4 classes
     assert np.array_equal(maps[1], maps[3])
-    assert torch.equal(sd.x_train, data.x_train)  # inputs untouched
+    assert sd.x_train is data.x_train  # inputs untouched: one tensor, not a copy
     for m in range(4):
         for idx in (part.train[m], part.val[m]):
             ix = torch.as_tensor(idx)
@@ -56,6 +56,29 @@ def test_rotation_by_90_degrees_is_a_quarter_turn(data):
             errs = [float((got - w).abs().max()) for w in want]
             assert min(errs) < 1e-5 and max(errs) > 0.1, errs
     assert len(set(np.round(u, 6))) == 3
+
+
+def test_rotation_equals_the_per_image_sampling_grid(data):
+    """Every image of a client turns by the client's angle: the transform equals, bit for bit,
+    the sampling grid built for each image on its own."""
+    part = make_partition(data, "iid", 3, seed=5, validation_fraction=0.2)
+    spec = {"kind": "covariate", "transform": "rotation", "spread": 40}
+    sd, sp = apply_shift(data, part, spec)
+    u = client_parameters(3, 5)
+    for m in range(3):
+        theta = np.radians(40 * float(u[m]))
+        c, s = float(np.cos(theta)), float(np.sin(theta))
+        for idx, x, got in ((np.concatenate([part.train[m], part.val[m]]), data.x_train,
+                             sd.x_train[torch.as_tensor(np.concatenate([part.train[m],
+                                                                        part.val[m]]))]),
+                            (part.test[m], data.x_test, sd.x_test[torch.as_tensor(sp.test[m])])):
+            src = x[torch.as_tensor(idx)]
+            mat = torch.tensor([[c, -s, 0.0], [s, c, 0.0]], dtype=src.dtype).expand(
+                len(src), 2, 3)
+            grid = torch.nn.functional.affine_grid(mat, list(src.shape), align_corners=False)
+            want = torch.nn.functional.grid_sample(src, grid, mode="bilinear",
+                                                   padding_mode="border", align_corners=False)
+            assert torch.equal(got, want), m
 
 
 def test_contrast_and_pattern(data):
@@ -174,3 +197,57 @@ def load_partition_of(run_dir):
 
     return load_partition(run_dir / "partition.npz")
 
+
+
+def test_stacked_group_builds_each_shift_once_and_trains_in_one_call(tmp_path, monkeypatch):
+    """Runs of a group on several partitions (seeds) and shifts: each shifted data set is built
+    once for the group, whatever the order of its runs and however few the process keeps
+    between groups; concept-shifted data share the inputs' tensor; every round of the group is
+    one engine call over the runs' pooled data; and each run's rows equal the run alone."""
+    import real_data.data.shift as shift_module
+    from real_data import runs
+    from real_data.engines import fast
+    from real_data.runs import load_data, start_run
+    from real_data.stacked_runs import RunRequest, run_group
+    from real_data.stacking import _POOL
+
+    base = ("partition.num_clients=4", "partition.scheme=iid", "train.precision=fp64",
+            "train.rounds=2")
+    concept = "partition.shift={kind: concept, classes: 4, groups: 2}"
+    rotation = "partition.shift={kind: covariate, transform: rotation, spread: 60}"
+    names = {  # interleaved: no two consecutive runs share a shifted data set
+        "c0": (concept, "seed=0", "algorithm.name=fedavg"),
+        "r1": (rotation, "seed=1", "algorithm.name=fedavg"),
+        "c1": (concept, "seed=1", "algorithm.name=fedavg"),
+        "r0": (rotation, "seed=0", "algorithm.name=fedavg"),
+        "c0_v": (concept, "seed=0", "algorithm.name=fedfrozen", "algorithm.train=v",
+                 "algorithm.warmup_rounds=1", "train.lr=0.03"),
+    }
+    cfgs = {k: tiny_config(*base, *v) for k, v in names.items()}
+    for name, cfg in cfgs.items():
+        start_run(cfg, out=tmp_path / "alone" / name)
+    built = []
+    real_apply = shift_module.apply_shift
+    monkeypatch.setattr(shift_module, "apply_shift",
+                        lambda d, p, s: built.append((p.seed, repr(s))) or real_apply(d, p, s))
+    monkeypatch.setattr(runs, "SHIFTED_KEPT", 1)  # the process keeps one between groups
+    monkeypatch.setattr(runs, "_SHIFTED", {})
+    calls, tensors = [], set()
+    real_fast = fast.train_fast
+    monkeypatch.setattr(fast, "train_fast", lambda job, **kw: calls.append(
+        len(job.client_ids)) or tensors.add(id(job.x)) or real_fast(job, **kw))
+    dataset = load_data(cfgs["c0"])
+    results = run_group([RunRequest(tmp_path / "group" / k, c, label=k)
+                         for k, c in cfgs.items()], dataset=dataset, log=lambda s: None)
+    assert sorted(r.status for _, r in results) == ["completed"] * 5
+    assert len(built) == 4 and len(set(built)) == 4, built  # (seed, shift) pairs, once each
+    assert calls == [20, 20], calls  # 5 runs of 4 clients, one call a round
+    assert len(tensors) == 1 and not _POOL  # one pooled tensor, dropped with the group
+    c0 = runs.shifted(cfgs["c0"], dataset, load_partition_of(tmp_path / "group" / "c0"))[0]
+    c1 = runs.shifted(cfgs["c1"], dataset, load_partition_of(tmp_path / "group" / "c1"))[0]
+    assert c0.x_train is c1.x_train is dataset.x_train and c0.y_train is not c1.y_train
+    for name in cfgs:
+        ra = metric_rows(tmp_path / "alone" / name / "metrics.csv")
+        rg = metric_rows(tmp_path / "group" / name / "metrics.csv")
+        assert ra.keys() == rg.keys()
+        assert all(abs(ra[k] - rg[k]) <= 1e-6 * abs(ra[k]) + 1e-9 for k in ra), name

@@ -407,3 +407,20 @@ def test_a_run_directory_of_another_configuration_is_refused(tmp_path):
     # unchanged, it is skipped as before
     again = study.run_study(plan, pattern="digits/fedavg/*", log=lambda *_: None)
     assert again["skipped"] == 1
+
+
+def test_study_workers_share_the_cores(monkeypatch, capsys):
+    """n shards side by side take the cores divided by n unless --threads or OMP_NUM_THREADS
+    says otherwise; --threads below 1 exits 2 naming it."""
+    from linattn.cli import main as linattn_main
+    from real_data.cli import study_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert study_threads(None, (0, 4), cores=32) == 8
+    assert study_threads(None, (1, 64), cores=32) == 1
+    assert study_threads(None, None, cores=32) is None
+    assert study_threads(3, (0, 4), cores=32) == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert study_threads(None, (0, 4), cores=32) is None
+    assert linattn_main(["study", "--plan", "smoke", "--threads", "0", "--list"]) == 2
+    assert "--threads 0" in capsys.readouterr().err
