@@ -10,7 +10,10 @@
 # of the groups finished on earlier machines, so they are skipped here.
 # Each worker (--shard k/n) takes the machine's cores divided by the n workers as its CPU
 # threads (`linattn study --threads`); OMP_NUM_THREADS, when set, decides instead.
-# Usage: bash scripts/gpu_study.sh PLAN SECONDS WORKERS_PER_GPU OUTDIR [--slice GLOB ...]
+# Usage: bash scripts/gpu_study.sh PLAN SECONDS WORKERS_PER_GPU OUTDIR [study options]
+# The study options (--stage, --slice, --choices, ...) select what the workers train and what is
+# listed, packed and marked at the end: `--stage final --slice 'sweep/*/alpha=0.1/*'` packs that
+# slice's final runs.
 # Data: LINATTN_DATA must point at a folder holding the packed data sets (`linattn data pack`).
 set -uo pipefail
 plan=${1:?usage: gpu_study.sh PLAN SECONDS WORKERS_PER_GPU OUTDIR [--slice GLOB ...]}
@@ -40,7 +43,7 @@ cat "$out"/logs/pretrain_*.log
 if [ "$fail" -ne 0 ]; then
   echo "pretraining failed: see $out/logs/pretrain_*.log"
   python -m linattn study --plan "$plan" --aggregate-only --no-tables \
-    --markers "$out/done_markers.tar.gz" | tail -1
+    --markers "$out/done_markers.tar.gz" "$@" | tail -1
   tar -czf "$out/logs.tar.gz" -C "$out" logs && rm -rf "$out/logs"
   exit 1
 fi
@@ -61,9 +64,9 @@ monitor=$!
 for p in "${wpids[@]}"; do wait "$p"; done
 kill "$monitor" 2>/dev/null
 echo "workers stopped after $(($(date +%s) - start)) s"
-python -m linattn study --plan "$plan" --list | awk '{print $1}' | sort | uniq -c
+python -m linattn study --plan "$plan" --list "$@" | awk '{print $1}' | sort | uniq -c
 python -m linattn study --plan "$plan" --aggregate-only --no-tables \
-  --pack "$out/study_runs.tar.gz" --markers "$out/done_markers.tar.gz" | tail -2
+  --pack "$out/study_runs.tar.gz" --markers "$out/done_markers.tar.gz" "$@" | tail -2
 split -b 12M -d "$out/study_runs.tar.gz" "$out/study_runs.tar.gz.part" && rm "$out/study_runs.tar.gz"
 tar -czf "$out/logs.tar.gz" -C "$out" logs && rm -rf "$out/logs"
 ls -la "$out"

@@ -119,3 +119,35 @@ def test_gpu_study_script_stops_when_pretraining_fails(tmp_path):
     assert res.returncode == 1 and "pretraining failed" in res.stdout
     assert not (tmp_path / "o" / "logs").exists() and (tmp_path / "o" / "logs.tar.gz").is_file()
     assert not list((tmp_path / "o").glob("study_runs*"))  # no worker ran
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None
+                    or shutil.which("split") is None, reason="needs bash, timeout and split")
+def test_gpu_study_script_packs_the_stage_and_slice_it_trains(tmp_path):
+    """The study options reach the final listing, pack and markers: a tuned plan's tuning
+    stage, then the final stage of one arm, packs that arm's final runs and nothing else."""
+    env = _stand_in_env(tmp_path)
+    plan_path = tmp_path / "plan.yaml"
+    plan_path.write_text(yaml.safe_dump({
+        "name": "tuned", "out_dir": str(tmp_path / "runs"), "seeds": [0, 1],
+        "tune": {"seed": 7, "last": 2, "validation_fraction": 0.2},
+        "sweeps": [{"name": "digits", "config": "digits_vit", "overrides": TINY,
+                    "alphas": [0.5], "grid": {"train.lr": [0.05, 0.3]}, "arms": [
+                        {"name": "fedavg", "overrides": ["algorithm.name=fedavg"]},
+                        {"name": "frozen", "overrides": ["algorithm.name=fedfrozen",
+                                                         "algorithm.train=v"],
+                         "warmup_rounds": [1, 3]}]}]}))
+
+    def call(out: Path, *args: str) -> subprocess.CompletedProcess:
+        res = subprocess.run(["bash", str(SCRIPT), str(plan_path), "120", "1", str(out), *args],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stdout + res.stderr
+        data = b"".join(p.read_bytes() for p in sorted(out.glob("study_runs*")))
+        (out / "all.tar.gz").write_bytes(data)
+        with tarfile.open(out / "all.tar.gz") as tar:
+            return {m.rsplit("/", 1)[0] for m in tar.getnames() if m.endswith("summary.json")}
+
+    tuned = call(tmp_path / "tune", "--stage", "tune", "--slice", "digits/fedavg+*/*")
+    assert tuned == {f"digits/fedavg+{i}/alpha=0.5/seed=7" for i in (0, 1)}
+    final = call(tmp_path / "final", "--stage", "final", "--slice", "digits/fedavg/*")
+    assert final == {f"digits/fedavg/alpha=0.5/seed={s}" for s in (0, 1)}
