@@ -254,15 +254,7 @@ def _study(argv: list[str]) -> int:
                     "seed) cells one of whose runs it matches, --shard k/n takes every n-th "
                     "cell, --deadline starts no new cell after SECONDS, "
                     "--aggregate-only only reads the cache")
-    ap.add_argument("--profile-steps", type=int, default=None, metavar="N",
-                    help="with --profile: minibatch steps of Phi's budget (default 4000; the "
-                    "check trains to 2N)")
-    ap.add_argument("--profile-lr", type=float, default=None,
-                    help="with --profile: Phi's constant step size (default: each run's "
-                    "train.lr)")
-    ap.add_argument("--profile-batch-size", type=int, default=None,
-                    help="with --profile: Phi's batch size (default: each run's "
-                    "train.batch_size)")
+    _budget_options(ap, "--profile-", "with --profile: ", "each run's")
     ap.add_argument("--device", default=None,
                     help="with --profile: where Phi trains (default: each run's train.device)")
     args = ap.parse_args(argv)
@@ -369,6 +361,27 @@ def _study(argv: list[str]) -> int:
     return 0
 
 
+def _budget_options(ap, prefix: str, lead: str, whose: str) -> None:
+    """Phi's budget options (``linattn profile``: ``--steps``, ...; ``linattn study
+    --profile``: ``--profile-steps``, ...)."""
+    ap.add_argument(f"{prefix}steps", type=int, default=None, metavar="N",
+                    help=f"{lead}minibatch steps N of Phi's budget (default 4000; the check "
+                    "trains to 2N)")
+    ap.add_argument(f"{prefix}lr", type=float, default=None,
+                    help=f"{lead}Phi's constant step size (default: {whose} train.lr)")
+    ap.add_argument(f"{prefix}batch-size", type=int, default=None,
+                    help=f"{lead}Phi's batch size (default: {whose} train.batch_size)")
+
+
+def _budget(args, prefix: str, seed: int | None = None):
+    """The :class:`real_data.profile.Budget` of :func:`_budget_options`' options."""
+    from real_data.profile import DEFAULT_STEPS, Budget
+
+    steps = getattr(args, f"{prefix}steps")
+    return Budget(DEFAULT_STEPS if steps is None else steps, getattr(args, f"{prefix}lr"),
+                  getattr(args, f"{prefix}batch_size"), seed)
+
+
 def _profile(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(
         prog="linattn profile",
@@ -389,13 +402,7 @@ def _profile(argv: list[str]) -> int:
     ap.add_argument("--kernel", type=Path, action="append", default=[], metavar="FILE",
                     help="also Phi at this checkpoint's Q/K (e.g. a reference run's snapshot), "
                     "under RUN_DIR's config; repeatable")
-    ap.add_argument("--steps", type=int, default=None,
-                    help="minibatch steps N of the budget (default 4000); the check trains "
-                    "to 2N")
-    ap.add_argument("--lr", type=float, default=None,
-                    help="constant step size (default: the run's train.lr)")
-    ap.add_argument("--batch-size", type=int, default=None,
-                    help="samples per step (default: the run's train.batch_size)")
+    _budget_options(ap, "--", "", "the run's")
     ap.add_argument("--seed", type=int, default=None,
                     help="minibatch order and dropout seed (default: the run's training seed)")
     ap.add_argument("--device", default=None,
@@ -408,10 +415,9 @@ def _profile(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     from linattn.errors import UserError
     from linattn.fileio import atomic_write_text
-    from real_data.profile import DEFAULT_STEPS, Budget, run_setup
+    from real_data.profile import run_setup
 
-    budget = Budget(DEFAULT_STEPS if args.steps is None else args.steps, args.lr,
-                    args.batch_size, args.seed)
+    budget = _budget(args, "", args.seed)
     if not args.rounds and not args.kernel:
         raise UserError("--rounds or --kernel: give at least one kernel to profile")
     if any(r < 0 for r in args.rounds):
@@ -449,10 +455,8 @@ def _study_profile(args, full, shard) -> int:
     """``linattn study --plan P --profile``: Phi at every snapshot, then the tables."""
     from linattn.errors import UserError
     from real_data import study
-    from real_data.profile import DEFAULT_STEPS, Budget
 
-    budget = Budget(DEFAULT_STEPS if args.profile_steps is None else args.profile_steps,
-                    args.profile_lr, args.profile_batch_size)
+    budget = _budget(args, "profile_")
     plan = full
     if full.tune is not None:
         choices = None if args.choices is None else study.load_choices(args.choices, full)

@@ -159,3 +159,117 @@ def pretrain_target(dataset) -> TensorDataset:
     """The first PRETRAIN_SKIP training samples: the federation's data beside a pretraining."""
     return TensorDataset(dataset.name, dataset.task, dataset.x_train[:PRETRAIN_SKIP],
                          dataset.y_train[:PRETRAIN_SKIP], dataset.x_test, dataset.y_test, 10)
+
+
+def plain_loop(fed, part, rounds: int, *, scaffold: bool = False, mu: float = 0.0,
+               frozen: tuple[str, ...] = (), t0: int | None = None):
+    """A FedAvg-family round, one client after another, in float64: (x, c, c_m) per round.
+
+    Client m of round t starts from x and takes K_m steps on the runner's minibatches on the
+    parameters that train (every one, or all but ``frozen`` after round ``t0``), on the
+    gradient g_m(y) + mu (y - x) (FedProx's term). Plain SGD, written out: y <- y - eta
+    (g + c - c_m); heavy-ball SGD: ``torch.optim.SGD`` on g + c - c_m; Adam:
+    ``torch.optim.Adam`` on g, then y <- y - eta (c - c_m) (SCAFFOLD's correction only with
+    ``scaffold``). SCAFFOLD's option II on the trained parameters: c_m+ = c_m - c + (x - y) /
+    (A eta), A = K_m, or with momentum beta the sum of the heavy-ball weights
+    sum_{k <= K_m} (1 - beta^k) / (1 - beta); the other variates stay. Server: x <- x + eta_g
+    sum_m p_m (y_m - x) (the runner's sample weights p_m, eta_g the algorithm's ``server_lr``
+    or 1), c <- c + (1/N) sum_m Delta c_m. eta is the round's learning rate of the schedule.
+    """
+    from torch.func import functional_call
+
+    from real_data.engines import make_batches, task_loss
+    from real_data.federation import sample_clients
+
+    cfg, model, t = fed.cfg, fed.model, fed.cfg.train
+    n_clients = part.num_clients
+    eta_g = getattr(cfg.algorithm.params, "server_lr", 1.0)
+    x = {n: p.detach().clone() for n, p in fed.initial_state().global_params.items()}
+    c = {n: torch.zeros_like(p) for n, p in x.items()}
+    ci = [{n: torch.zeros_like(p) for n, p in x.items()} for _ in range(n_clients)]
+    state = fed.initial_state()
+    out = []
+    for rnd in range(1, rounds + 1):
+        trained = [n for n in x if t0 is None or rnd <= t0 or n not in frozen]
+        ids = sample_clients(cfg.role_seed("sampling"), rnd, n_clients, t.clients_per_round)
+        eta = fed.round_lr(state, rnd)
+        batches = make_batches(part.train, ids, cfg.role_seed("training"), rnd, t.batch_size,
+                               t.local_steps, t.local_epochs)
+        ys, deltas = [], []
+        for j, m in enumerate(ids):
+            y = {n: p.clone().requires_grad_(n in trained) for n, p in x.items()}
+            live = [y[n] for n in trained]
+            opt = (torch.optim.Adam(live, lr=eta) if t.optimizer == "adam" else
+                   torch.optim.SGD(live, lr=eta, momentum=t.momentum))
+            k = int(batches.steps[j])
+            for s in range(k):
+                ix = batches.idx[j, s]
+                loss = task_loss(functional_call(model, y, (fed.x_train[ix],)),
+                                 fed.y_train[ix])
+                grads = dict(zip(trained, torch.autograd.grad(loss, live)))
+                with torch.no_grad():
+                    for n in trained:
+                        grads[n] = grads[n] + mu * (y[n] - x[n])
+                        if scaffold and t.optimizer == "sgd":
+                            grads[n] = grads[n] + c[n] - ci[m][n]
+                    if t.optimizer == "sgd" and not t.momentum:  # the paper's step
+                        for n in trained:
+                            y[n].sub_(eta * grads[n])
+                        continue
+                    for n in trained:
+                        y[n].grad = grads[n]
+                    opt.step()
+                    if scaffold and t.optimizer == "adam":
+                        for n in trained:
+                            y[n].sub_(eta * (c[n] - ci[m][n]))
+            y = {n: p.detach() for n, p in y.items()}
+            if scaffold:
+                b = t.momentum if t.optimizer == "sgd" else 0.0
+                a = sum((1 - b**i) / (1 - b) for i in range(1, k + 1)) if b else k
+                new = {n: ci[m][n] - c[n] + (x[n] - y[n]) / (a * eta) if n in trained
+                       else ci[m][n] for n in x}
+                deltas.append({n: new[n] - ci[m][n] for n in x})
+                ci[m] = new
+            ys.append(y)
+        sizes = torch.as_tensor(part.sizes[ids], dtype=torch.float64)
+        p = sizes / sizes.sum()
+        x = {n: v + eta_g * sum(p[j] * (ys[j][n] - v) for j in range(len(ids)))
+             for n, v in x.items()}
+        c = {n: v + sum(d[n] for d in deltas) / n_clients for n, v in c.items()}
+        out.append(({n: v.clone() for n, v in x.items()}, {n: v.clone() for n, v in c.items()},
+                    [{n: v.clone() for n, v in cm.items()} for cm in ci]))
+    return out
+
+
+def max_abs_error(a: dict, b: dict) -> float:
+    """The largest absolute difference over the tensors of ``a`` and their namesakes in ``b``."""
+    return max(float((a[n] - b[n]).abs().max()) for n in a)
+
+
+# the attention key biases get no data gradient (softmax is shift-invariant in them), so under
+# FedProx's term alone the fast and the sequential engine part there by about 1e-3; the metrics
+# that sum over them are compared through the other parameters instead
+KEY_BIAS_METRICS = ("qk_change", "update_norm", "update_dispersion", "update_dispersion_rel")
+
+
+def assert_rows_agree(alone, group, skip: tuple[str, ...] = (), rel: float = 1e-6,
+                      floor: float = 1e-9) -> None:
+    """The same (round, client, metric, stage) rows in two metrics.csv, every value within
+    ``rel`` (relative, with the absolute ``floor``), metrics in ``skip`` left out."""
+    a, g = metric_rows(alone), metric_rows(group)
+    assert a.keys() == g.keys(), (alone, group)
+    bad = {k: (a[k], g[k]) for k in a
+           if k[2] not in skip and abs(a[k] - g[k]) > rel * abs(a[k]) + floor}
+    assert not bad, (alone, list(bad.items())[:5])
+
+
+def assert_run_refused(tmp_path, capsys, args: list[str], text: str) -> None:
+    """``linattn run --config digits_vit ARGS`` exits 2, says ``text`` on stderr and writes
+    nothing under its ``run.out_dir``."""
+    from linattn.cli import main as linattn_main
+
+    out = tmp_path / "runs"
+    code = linattn_main(["run", "--config", "digits_vit", *args, f"run.out_dir={out}"])
+    assert code == 2
+    assert text in capsys.readouterr().err
+    assert not out.exists() or not any(out.iterdir())

@@ -1,12 +1,12 @@
 """FedFrozen on top of FedProx and SCAFFOLD (``algorithm.base``).
 
-1. Against a plain per-client loop in float64 (plain SGD): each client of round t starts from
-   x and takes K steps y <- y - eta (g_m(y) + mu (y - x) + c - c_m) on the parameters that
-   train (every parameter for t <= T0, all but Q/K after); FedProx is mu > 0 without control
-   variates, SCAFFOLD mu = 0 with option II, c_m+ = c_m - c + (x - y) / (K eta) and
-   c <- c + (1/N) sum Delta c_m on the trained parameters only, x <- x + eta_g sum p_m
-   (y_m - x). The global model and both control variates within 1e-9 after every round,
-   whatever engine, with the frozen block and its control variates unchanged after T0.
+1. Against a plain per-client loop in float64 (plain SGD; ``conftest.plain_loop``): each client
+   of round t starts from x and takes K steps y <- y - eta (g_m(y) + mu (y - x) + c - c_m) on
+   the parameters that train (every parameter for t <= T0, all but Q/K after); FedProx is mu > 0
+   without control variates, SCAFFOLD mu = 0 with option II, c_m+ = c_m - c + (x - y) / (K eta)
+   and c <- c + (1/N) sum Delta c_m on the trained parameters only, x <- x + eta_g sum p_m (y_m
+   - x). The global model and both control variates within 1e-9 after every round, whatever
+   engine, with the frozen block and its control variates unchanged after T0.
 2. T0 = T is the base algorithm itself: the same global model and variates as a FedProx or
    SCAFFOLD run, to round-off.
 3. In a stacked group each run writes the metrics it writes alone (within 1e-6, float64).
@@ -17,79 +17,31 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import federation, metric_rows, random_partition, run_cli, tiny_config
-from torch.func import functional_call
+from conftest import (
+    KEY_BIAS_METRICS,
+    assert_rows_agree,
+    federation,
+    max_abs_error,
+    plain_loop,
+    random_partition,
+    run_cli,
+    tiny_config,
+)
 
-from real_data.engines import make_batches, task_loss
-from real_data.federation import sample_clients
 from real_data.models.groups import names_of_kind
 from real_data.runs import load_data, start_run
 from real_data.stacked_runs import RunRequest, run_group
 
 ROUNDS, T0 = 4, 2
-KEY_BIAS_METRICS = ("qk_change", "update_norm", "update_dispersion", "update_dispersion_rel")
-
-
-def plain_loop(fed, part, rounds: int, t0: int, mu: float, scaffold: bool, eta_g: float):
-    """(x, c, c_m) after every round, one client after another (see the module docstring)."""
-    cfg, model, t = fed.cfg, fed.model, fed.cfg.train
-    groups = fed.algorithm.ctx.groups
-    qk = set(names_of_kind(groups, "qk"))
-    x = {n: p.detach().clone() for n, p in fed.initial_state().global_params.items()}
-    c = {n: torch.zeros_like(p) for n, p in x.items()}
-    ci = [{n: torch.zeros_like(p) for n, p in x.items()} for _ in range(part.num_clients)]
-    state = fed.initial_state()
-    out = []
-    for rnd in range(1, rounds + 1):
-        trained = [n for n in x if rnd <= t0 or n not in qk]
-        ids = sample_clients(cfg.role_seed("sampling"), rnd, part.num_clients,
-                             t.clients_per_round)
-        eta = fed.round_lr(state, rnd)
-        batches = make_batches(part.train, ids, cfg.role_seed("training"), rnd, t.batch_size,
-                               t.local_steps, t.local_epochs)
-        ys, deltas = [], []
-        for j, m in enumerate(ids):
-            y = {n: p.clone() for n, p in x.items()}
-            for s in range(int(batches.steps[j])):
-                ix = batches.idx[j, s]
-                live = {n: y[n].clone().requires_grad_(True) for n in trained}
-                loss = task_loss(functional_call(model, {**y, **live}, (fed.x_train[ix],)),
-                                 fed.y_train[ix])
-                grads = dict(zip(live, torch.autograd.grad(loss, list(live.values()))))
-                for n in trained:
-                    step = grads[n] + mu * (y[n] - x[n])
-                    if scaffold:
-                        step = step + c[n] - ci[m][n]
-                    y[n] = y[n] - eta * step
-            if scaffold:
-                k = int(batches.steps[j])
-                new = {n: ci[m][n] - c[n] + (x[n] - y[n]) / (k * eta) if n in trained
-                       else ci[m][n] for n in x}
-                deltas.append({n: new[n] - ci[m][n] for n in x})
-                ci[m] = new
-            ys.append(y)
-        sizes = torch.as_tensor(part.sizes[ids], dtype=torch.float64)
-        p = sizes / sizes.sum()
-        x = {n: v + eta_g * sum(p[j] * (ys[j][n] - v) for j in range(len(ids)))
-             if n in trained else v for n, v in x.items()}
-        if scaffold:
-            c = {n: v + sum(d[n] for d in deltas) / part.num_clients for n, v in c.items()}
-        out.append(({n: v.clone() for n, v in x.items()}, {n: v.clone() for n, v in c.items()},
-                    [dict(cm) for cm in ci]))
-    return out
-
-
-def _err(a: dict, b: dict) -> float:
-    return max(float((a[n] - b[n]).abs().max()) for n in a)
 
 
 COMMON = ["train.precision=fp64", f"train.rounds={ROUNDS}", "eval.every=100",
           "eval.clients=false", "train.optimizer=sgd", "train.lr=0.3", "train.momentum=0",
           "train.clip_grad_norm=null", "train.clients_per_round=3"]
 BASES = {
-    "fedprox": (["algorithm.base=fedprox", "algorithm.mu=0.5"], 0.5, False, 1.0),
-    "scaffold": (["algorithm.base=scaffold"], 0.0, True, 1.0),
-    "scaffold_lrg": (["algorithm.base=scaffold", "algorithm.server_lr=0.5"], 0.0, True, 0.5),
+    "fedprox": (["algorithm.base=fedprox", "algorithm.mu=0.5"], 0.5, False),
+    "scaffold": (["algorithm.base=scaffold"], 0.0, True),
+    "scaffold_lrg": (["algorithm.base=scaffold", "algorithm.server_lr=0.5"], 0.0, True),
 }
 
 
@@ -97,22 +49,24 @@ BASES = {
 @pytest.mark.parametrize("base", list(BASES))
 def test_matches_a_plain_loop(digits64, base, engine):
     """Measured: at most 4.4e-16 (float64) on both engines."""
-    over, mu, scaffold, eta_g = BASES[base]
+    over, mu, scaffold = BASES[base]
     part = random_partition(digits64, 5, seed=7, alpha=0.5)
     cfg = tiny_config("algorithm.name=fedfrozen", f"algorithm.warmup_rounds={T0}",
                       f"train.engine={engine}", *COMMON, *over)
     fed = federation(cfg, digits64, part)
-    ref = plain_loop(fed, part, ROUNDS, T0, mu, scaffold, eta_g)
+    ref = plain_loop(fed, part, ROUNDS, scaffold=scaffold, mu=mu,
+                     frozen=names_of_kind(fed.algorithm.ctx.groups, "qk"), t0=T0)
     qk = names_of_kind(fed.algorithm.ctx.groups, "qk")
     state = fed.initial_state()
     errors, qk_at_t0 = [], None
     for rnd in range(1, ROUNDS + 1):
         state, _ = fed.run_round(state, rnd)
         x, c, ci = ref[rnd - 1]
-        err = _err(state.global_params, x)
+        err = max_abs_error(state.global_params, x)
         if scaffold:
             cm = {n: torch.stack([ci[m][n] for m in range(part.num_clients)]) for n in x}
-            err = max(err, _err(state.server_state.base.c, c), _err(state.client_state, cm))
+            err = max(err, max_abs_error(state.server_state.base.c, c),
+                      max_abs_error(state.client_state, cm))
         errors.append(err)
         if rnd == T0:
             qk_at_t0 = {n: state.global_params[n].clone() for n in qk}
@@ -141,10 +95,11 @@ def test_never_freezing_is_the_base_algorithm(digits64, base):
         for rnd in range(1, ROUNDS + 1):
             state, _ = fed.run_round(state, rnd)
         runs[name] = state
-    assert _err(runs["frozen"].global_params, runs["base"].global_params) <= 1e-12
+    frozen, plain = runs["frozen"], runs["base"]
+    assert max_abs_error(frozen.global_params, plain.global_params) <= 1e-12
     if "scaffold" in base:
-        assert _err(runs["frozen"].server_state.base.c, runs["base"].server_state.c) <= 1e-12
-        assert _err(runs["frozen"].client_state, runs["base"].client_state) <= 1e-12
+        assert max_abs_error(frozen.server_state.base.c, plain.server_state.c) <= 1e-12
+        assert max_abs_error(frozen.client_state, plain.client_state) <= 1e-12
 
 
 def test_stacked_group_equals_runs_alone(tmp_path):
@@ -165,16 +120,9 @@ def test_stacked_group_equals_runs_alone(tmp_path):
     run_group([RunRequest(tmp_path / "group" / n, c) for n, c in cfgs.items()],
               dataset=load_data(cfgs["fedavg"]), log=lambda s: None)
     for name in cfgs:
-        a = metric_rows(tmp_path / "alone" / name / "metrics.csv")
-        g = metric_rows(tmp_path / "group" / name / "metrics.csv")
-        assert a.keys() == g.keys(), name
-        # the attention key biases get no data gradient (softmax is shift-invariant in them):
-        # under FedProx's term alone the fast and the sequential engine part there, as for
-        # FedProx itself (test_stacking.py); the metrics that sum over them are left out
-        skip = KEY_BIAS_METRICS if name == "frozen_prox" else ()
-        bad = {k: (a[k], g[k]) for k in a
-               if k[2] not in skip and abs(a[k] - g[k]) > 1e-6 * abs(a[k]) + 1e-9}
-        assert not bad, (name, list(bad.items())[:5])
+        assert_rows_agree(tmp_path / "alone" / name / "metrics.csv",
+                          tmp_path / "group" / name / "metrics.csv",
+                          KEY_BIAS_METRICS if name == "frozen_prox" else ())
 
 
 @pytest.mark.parametrize("override, key", [

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 import torch
-from conftest import TINY, metric_rows, tiny_config
+from conftest import TINY, assert_rows_agree, assert_run_refused, metric_rows, tiny_config
 from pause_run import start as start_paused
 from pause_run import wait_paused
 
@@ -95,11 +95,8 @@ def test_stacked_rule_runs_equal_runs_alone(tmp_path):
     run_group([RunRequest(tmp_path / "group" / n, c) for n, c in cfgs.items()],
               dataset=dataset, log=lambda s: None)
     for name in cfgs:
-        a = metric_rows(tmp_path / "alone" / name / "metrics.csv")
-        g = metric_rows(tmp_path / "group" / name / "metrics.csv")
-        assert a.keys() == g.keys(), name
-        bad = {k: (a[k], g[k]) for k in a if abs(a[k] - g[k]) > 1e-6 * abs(a[k]) + 1e-9}
-        assert not bad, (name, list(bad.items())[:5])
+        assert_rows_agree(tmp_path / "alone" / name / "metrics.csv",
+                          tmp_path / "group" / name / "metrics.csv")
 
 
 def test_attention_scores_order_keys_like_the_attention(tmp_path):
@@ -135,9 +132,4 @@ def test_attention_scores_order_keys_like_the_attention(tmp_path):
      "algorithm.probe_batch=4000"),
 ])
 def test_bad_rules_exit_2_and_write_nothing(tmp_path, capsys, override, text):
-    out = tmp_path / "runs"
-    code = linattn_main(["run", "--config", "digits_vit", *TINY, *BASE, f"run.out_dir={out}",
-                         *override])
-    assert code == 2
-    assert text in capsys.readouterr().err
-    assert not out.exists() or not any(out.iterdir())
+    assert_run_refused(tmp_path, capsys, [*TINY, *BASE, *override], text)

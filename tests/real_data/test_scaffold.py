@@ -1,9 +1,9 @@
 """SCAFFOLD against a plain loop of its algorithm, and under momentum on label-skewed data.
 
-1. Every engine path (sequential, the fast stacked path, the ``vmap`` path) matches a
-   per-client float64 loop within 1e-6 in the global model and in both control variates: with
-   plain SGD the loop is Karimireddy et al. (2020), Algorithm 1, option II, as written; with
-   heavy-ball momentum and with Adam it is the runner's documented variant (see
+1. Every engine path (sequential, the fast stacked path, the ``vmap`` path) matches a per-client
+   float64 loop (``conftest.plain_loop``) within 1e-6 in the global model and in both control
+   variates: with plain SGD the loop is Karimireddy et al. (2020), Algorithm 1, option II, as
+   written; with heavy-ball momentum and with Adam it is the runner's documented variant (see
    :class:`real_data.algorithms.scaffold.Scaffold`) on ``torch.optim``. Full and partial
    participation, a round-wise lr schedule, a server step size eta_g != 1 and per-client K_m.
 2. With momentum 0.9 and K = 10 on a Dirichlet(0.1) split of sklearn digits, SCAFFOLD's
@@ -15,82 +15,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import federation, random_partition, tiny_config
-from torch.func import functional_call
+from conftest import federation, max_abs_error, plain_loop, random_partition, tiny_config
 
-from real_data.engines import make_batches, task_loss
 from real_data.engines.vectorized import train_vmap
-from real_data.federation import sample_clients
 
 ENGINES = {"sequential": None, "vectorized": None, "vmap": train_vmap}
-
-
-def paper_scaffold(fed, part, rounds: int):
-    """Algorithm 1 of the paper, one client after another, in float64.
-
-    Client m of round t starts from x and takes K_m steps on the runner's minibatches; plain
-    SGD: y <- y - eta (g_m(y) + c - c_m), written out; heavy-ball SGD: ``torch.optim.SGD`` on
-    the gradient g_m + c - c_m; Adam: ``torch.optim.Adam`` on g_m, then y <- y - eta (c - c_m).
-    Then c_m+ = c_m - c + (x - y) / (A eta), A = K_m but with momentum beta the sum of the
-    heavy-ball weights sum_{k <= K_m} (1 - beta^k) / (1 - beta). Server: x <- x + eta_g
-    sum_m p_m (y_m - x) (the runner's sample weights p_m), c <- c + (1/N) sum_m Delta c_m.
-    eta is the round's learning rate of the run's schedule. Returns (x, c, c_m) per round.
-    """
-    cfg, model, t = fed.cfg, fed.model, fed.cfg.train
-    n_clients = part.num_clients
-    eta_g = cfg.algorithm.params.server_lr
-    x = {n: p.detach().clone() for n, p in fed.initial_state().global_params.items()}
-    c = {n: torch.zeros_like(p) for n, p in x.items()}
-    ci = [{n: torch.zeros_like(p) for n, p in x.items()} for _ in range(n_clients)]
-    state = fed.initial_state()
-    out = []
-    for rnd in range(1, rounds + 1):
-        ids = sample_clients(cfg.role_seed("sampling"), rnd, n_clients, t.clients_per_round)
-        eta = fed.round_lr(state, rnd)
-        batches = make_batches(part.train, ids, cfg.role_seed("training"), rnd, t.batch_size,
-                               t.local_steps, t.local_epochs)
-        ys, deltas = [], []
-        for j, m in enumerate(ids):
-            y = {n: p.clone().requires_grad_(True) for n, p in x.items()}
-            opt = (torch.optim.Adam(list(y.values()), lr=eta) if t.optimizer == "adam" else
-                   torch.optim.SGD(list(y.values()), lr=eta, momentum=t.momentum))
-            k = int(batches.steps[j])
-            for s in range(k):
-                ix = batches.idx[j, s]
-                loss = task_loss(functional_call(model, y, (fed.x_train[ix],)),
-                                 fed.y_train[ix])
-                grads = dict(zip(y, torch.autograd.grad(loss, list(y.values()))))
-                with torch.no_grad():
-                    if t.optimizer == "sgd" and not t.momentum:  # the paper's step
-                        for n, p in y.items():
-                            p.sub_(eta * (grads[n] + c[n] - ci[m][n]))
-                        continue
-                    for n, p in y.items():
-                        p.grad = grads[n] + (c[n] - ci[m][n] if t.optimizer == "sgd" else 0)
-                    opt.step()
-                    if t.optimizer == "adam":
-                        for n, p in y.items():
-                            p.sub_(eta * (c[n] - ci[m][n]))
-            b = t.momentum if t.optimizer == "sgd" else 0.0
-            a = sum((1 - b**i) / (1 - b) for i in range(1, k + 1)) if b else k
-            y = {n: p.detach() for n, p in y.items()}
-            new = {n: ci[m][n] - c[n] + (x[n] - y[n]) / (a * eta) for n in x}
-            deltas.append({n: new[n] - ci[m][n] for n in x})
-            ci[m] = new
-            ys.append(y)
-        sizes = torch.as_tensor(part.sizes[ids], dtype=torch.float64)
-        p = sizes / sizes.sum()
-        x = {n: v + eta_g * sum(p[j] * (ys[j][n] - v) for j in range(len(ids)))
-             for n, v in x.items()}
-        c = {n: v + sum(d[n] for d in deltas) / n_clients for n, v in c.items()}
-        out.append(({n: v.clone() for n, v in x.items()}, {n: v.clone() for n, v in c.items()},
-                    [{n: v.clone() for n, v in cm.items()} for cm in ci]))
-    return out
-
-
-def _max_error(a: dict, b: dict) -> float:
-    return max(float((a[n] - b[n]).abs().max()) for n in a)
-
 
 SGD = ["train.optimizer=sgd", "train.lr=0.3"]
 PARTIAL = ["train.clients_per_round=3", "algorithm.server_lr=0.5",
@@ -123,7 +52,7 @@ def test_matches_a_plain_loop_of_the_algorithm(digits64, engine, case, overrides
     fed = federation(cfg, digits64, part)
     if ENGINES[engine] is not None:
         fed.engine = ENGINES[engine]
-    ref = paper_scaffold(fed, part, rounds)
+    ref = plain_loop(fed, part, rounds, scaffold=True)
     state = fed.initial_state()
     lrs, errors = set(), []
     for rnd in range(1, rounds + 1):
@@ -131,9 +60,9 @@ def test_matches_a_plain_loop_of_the_algorithm(digits64, engine, case, overrides
         state, _ = fed.run_round(state, rnd)
         x, c, ci = ref[rnd - 1]
         cm = {n: torch.stack([ci[m][n] for m in range(part.num_clients)]) for n in x}
-        errors.append(max(_max_error(state.global_params, x),
-                          _max_error(state.server_state.c, c),
-                          _max_error(state.client_state, cm)))
+        errors.append(max(max_abs_error(state.global_params, x),
+                          max_abs_error(state.server_state.c, c),
+                          max_abs_error(state.client_state, cm)))
     # the variates are not trivially zero, and the schedule does change the lr
     assert max(float(v.abs().max()) for v in state.server_state.c.values()) > 1e-3
     assert len(lrs) == (2 if "lr_schedule" in " ".join(overrides) else 1)

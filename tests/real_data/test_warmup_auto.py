@@ -22,7 +22,7 @@ import signal
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, tiny_config
+from conftest import TINY, assert_run_refused, tiny_config
 from pause_run import start as start_paused
 from pause_run import wait_paused
 
@@ -276,9 +276,4 @@ def test_scale_out_trainers_refuse_a_forking_run(tmp_path):
     (["partition.validation_fraction=null"], "partition.validation_fraction"),
 ])
 def test_bad_settings_exit_2_and_write_nothing(tmp_path, capsys, override, text):
-    out = tmp_path / "runs"
-    code = linattn_main(["run", "--config", "digits_vit", *TINY, *AUTO, f"run.out_dir={out}",
-                         *override])
-    assert code == 2
-    assert text in capsys.readouterr().err
-    assert not out.exists() or not any(out.iterdir())
+    assert_run_refused(tmp_path, capsys, [*TINY, *AUTO, *override], text)
