@@ -33,7 +33,7 @@ from real_data.algorithms.fedfrozen import FedFrozenParams
 from real_data.config import load_config
 from real_data.runs import start_run
 from real_data.study.plan import inside
-from real_data.study.tables import _run_row
+from real_data.study.tables import run_row
 
 # the estimator at its defaults, whatever the fixed-T0 run's file holds for its keys
 AUTO = ["algorithm.warmup=auto", "algorithm.warmup_rounds=null",
@@ -73,13 +73,13 @@ def compare(args) -> None:
     plan, specs, pairs = _pairs(args)
     rows = []
     for spec in specs:
-        row = _run_row(spec)
+        row = run_row(spec.run_dir)
         if row is not None:
             rows.append({"sweep": spec.sweep.name, "arm": spec.arm.name,
                          "warmup_rounds": spec.warmup_rounds, "alpha": spec.alpha,
                          "seed": spec.seed, **row})
     for spec, dest in pairs:
-        row = _auto_row(dest)
+        row = run_row(dest)
         if row is not None:
             summary = json.loads((dest / "summary.json").read_text())["warmup"]
             rows.append({"sweep": spec.sweep.name, "arm": "auto", "warmup_rounds": None,
@@ -116,11 +116,6 @@ def compare(args) -> None:
                      f"{r['fedavg_equivalent']:.2f} |")
     atomic_write_text(args.export / "warmup_auto.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
-
-
-def _auto_row(run_dir: Path) -> dict | None:
-    spec = type("Spec", (), {"run_dir": run_dir})()
-    return _run_row(spec)
 
 
 def main(argv=None) -> int:

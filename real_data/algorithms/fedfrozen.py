@@ -190,17 +190,6 @@ class FedFrozen(Algorithm):
 
             self.base = Scaffold(ScaffoldParams(params.server_lr), ctx)
 
-    @property
-    def round_lr(self) -> float:
-        """The round's client learning rate; the base algorithm reads the same one."""
-        return self._round_lr
-
-    @round_lr.setter
-    def round_lr(self, value: float) -> None:
-        self._round_lr = value
-        if getattr(self, "base", None) is not None:
-            self.base.round_lr = value
-
     def init_server_state(self, global_params) -> FedFrozenState:
         fixed = self.params.warmup == "fixed"
         state = FedFrozenState(np.zeros(self.ctx.num_clients, dtype=bool),
@@ -209,7 +198,6 @@ class FedFrozen(Algorithm):
             state.rule = make_rule(self.params.rule, self.ctx.total_rounds)
             state.warmup_rounds = state.rule.fired_at  # fraction=0: T0 = 0 before round 1
         if self.base is not None:
-            self.base.round_lr = self.round_lr
             state.base = self.base.init_server_state(global_params)
         return state
 
@@ -235,16 +223,12 @@ class FedFrozen(Algorithm):
 
     def update_client_state(self, rnd, client_ids, global_params, results, client_state,
                             server_state):
-        """SCAFFOLD's control variates of the parameters this round trains (the frozen
-        block's stay as they are)."""
-        if self.base is None or not client_state:
-            return
-        trained = self.plan_round(rnd, server_state).trainable
-        base_state = server_state.base
-        sub = type(base_state)({n: base_state.c[n] for n in trained})
-        self.base.update_client_state(rnd, client_ids, global_params, results,
-                                      {n: client_state[n] for n in trained}, sub)
-        base_state.c.update(sub.c)
+        """The base algorithm's per-client state (SCAFFOLD's control variates of the
+        parameters this round trains; the frozen block's stay as they are)."""
+        if self.base is not None:
+            self.base.round_lr = self.round_lr  # its estimate divides by K eta of this round
+            self.base.update_client_state(rnd, client_ids, global_params, results,
+                                          client_state, server_state.base)
 
     @property
     def needs_validation(self) -> bool:

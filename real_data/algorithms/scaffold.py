@@ -150,7 +150,10 @@ class Scaffold(Algorithm):
         idx = torch.as_tensor(client_ids, device=results.steps.device).long()
         a_eta = self.effective_steps(results.steps) * self.round_lr  # (C,): A_K eta
         server_c = server_state.c
-        for n, c in list(server_c.items()):
+        # the parameters this round trained (all, unless a subclass or a composing algorithm
+        # such as FedFrozen holds some fixed): the others' variates stay as they are
+        for n in results.params:
+            c = server_c[n]
             y = results.params[n]
             scale = a_eta.to(y.device).reshape(-1, *([1] * (y.dim() - 1))).to(y.dtype)
             ci = client_state[n][idx.to(client_state[n].device)]

@@ -64,12 +64,14 @@ def kernel_deviation(snapshot_a: Path, snapshot_b: Path, heads: int) -> float:
     return float(np.sqrt(total))
 
 
-def _run_row(spec: RunSpec) -> dict | None:
-    status = run_status(spec.run_dir)
+def run_row(run_dir: Path) -> dict | None:
+    """The metrics of one finished run directory (the score, costs, the T0 it decided), or
+    None while it is not completed or diverged."""
+    status = run_status(run_dir)
     if status not in ("completed", "diverged"):
         return None
-    summary = json.loads((spec.run_dir / "summary.json").read_text())
-    m = _read_metrics(spec.run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    m = _read_metrics(run_dir)
     acc = m.get("test_acc", np.array([np.nan]))
     best_i = int(np.nanargmax(acc)) if np.any(np.isfinite(acc)) else -1
     val = m.get("val_acc", np.array([np.nan]))
@@ -109,7 +111,7 @@ def run_rows(plan: Plan) -> list[dict]:
     partition, so per-seed differences (:func:`paired_differences`) are paired."""
     out = []
     for spec in plan_runs(plan):
-        row = _run_row(spec)
+        row = run_row(spec.run_dir)
         if row is None:
             continue
         dev = _kernel_deviations(plan, spec.sweep.name, spec.arm.name, spec.warmup_rounds,
