@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import json
 import sys
 from pathlib import Path
 
@@ -294,8 +295,9 @@ def _study(argv: list[str]) -> int:
     failed = 0
     for stage in stages:
         if stage == "tune":
-            plan = study.tuning_plan(full)
+            plan, slices = study.tuning_plan(full), args.slice
         elif stage == "final":
+            slices = args.slice
             # with --slice, only the selected arms need their tuning finished (or chosen)
             partial = bool(args.slice)
             try:
@@ -306,8 +308,17 @@ def _study(argv: list[str]) -> int:
                     raise
                 print(f"study: the final stage waits for the tuning runs ({exc})")
                 break
-            if partial and not any(fnmatch.fnmatch(s.key, p) for s in study.plan_runs(plan)
-                                   for p in args.slice):
+            keys = [s.key for s in study.plan_runs(plan)] if partial else []
+            selecting = [p for p in args.slice or [] if any(fnmatch.fnmatch(k, p) for k in keys)]
+            skipped = [p for p in args.slice or [] if p not in selecting] if partial else []
+            if skipped:  # a pattern that names no run of the plan at all is a mistake
+                known = [s.key for pl in (full, study.tuning_plan(full))
+                         for s in study.plan_runs(pl)]
+                for p in skipped:
+                    if not any(fnmatch.fnmatch(k, p) for k in known):
+                        raise UserError(f"--slice {p!r} matches no run of plan {full.name!r}; "
+                                        "`linattn study --plan ... --list` shows the run keys")
+            if partial and not selecting:
                 msg = (f"--slice {' '.join(args.slice)}: no final run of plan {full.name} is "
                        "selected whose arm has a chosen configuration")
                 if args.stage == "final":
@@ -316,16 +327,22 @@ def _study(argv: list[str]) -> int:
                                     "--choices")
                 print(f"study: the final stage waits for the tuning runs ({msg})")
                 break
+            for p in skipped:  # its arms are not tuned yet; the other patterns go on
+                print(f"study: --slice {p} selects no final run with a chosen "
+                      "configuration (its arms' tuning is unfinished); skipped")
+            slices = selecting if partial else args.slice
             print("study: chosen configurations in "
                   f"{args.choices or full.out_dir / study.CHOICES_FILE}")
         else:
-            plan = full
+            plan, slices = full, args.slice
         if args.list:
             for spec in study.plan_runs(plan):
+                if slices and not any(fnmatch.fnmatch(spec.key, p) for p in slices):
+                    continue
                 print(f"{study._status(spec.run_dir):>9}  {spec.key}")
             continue
         if not args.aggregate_only:
-            counts = study.run_study(plan, args.slice, args.max_runs, args.budget, shard=shard,
+            counts = study.run_study(plan, slices, args.max_runs, args.budget, shard=shard,
                                      pretrain_only=args.pretrain_only,
                                      deadline_s=args.deadline,
                                      pending=(args.pending_before
@@ -346,7 +363,11 @@ def _study(argv: list[str]) -> int:
                 if stage == "final":
                     paths += study.write_comparison(runs, folder)
                     if folder != plan.out_dir / "tables":  # the choices the final runs use
-                        paths.append(study.export_choices(full, folder, choices))
+                        dest = study.export_choices(full, folder, choices)
+                        paths.append(dest)
+                        # what a decay and what freezing gain on validation, by the candidates
+                        paths += study.write_schedule_gains(json.loads(dest.read_text()),
+                                                            folder)
                 print(f"wrote {', '.join(str(p) for p in paths)}")
     if args.list or args.pretrain_only:
         return 0

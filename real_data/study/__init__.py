@@ -115,7 +115,9 @@ from real_data.study.tuning import (
     final_plan,
     grid_points,
     load_choices,
+    schedule_gains,
     tuning_plan,
+    write_schedule_gains,
 )
 
 # short names the command line (real_data/cli.py), scripts/cpu_references.py and the tests use
@@ -140,6 +142,8 @@ __all__ = [
     "choose",
     "compare",
     "export_choices",
+    "schedule_gains",
+    "write_schedule_gains",
     "final_plan",
     "load_choices",
     "grid_points",

@@ -455,7 +455,8 @@ def chosen_t0(runs: list[dict], metric: str = "val_score", n_boot: int = 2000,
     seeds.
 
     ``runs``: :func:`run_rows` (or any dicts with ``sweep, alpha, arm, warmup_rounds, seed``,
-    ``metric`` and optionally ``score``). Only seeds with a run at every T0 of the arm count.
+    ``metric`` and optionally ``score``). Only seeds with a run at every T0 of the arm count;
+    an arm with a single T0 (the final stage of a tuned plan) has no row.
     The chosen T0 maximizes the mean of ``metric`` (default the validation score, the mean
     validation accuracy of the last 5 evaluations) over those seeds; a diverged run (NaN)
     counts as -inf, so a T0 that diverged on some seed is picked only if every T0 did; ties go
@@ -476,7 +477,7 @@ def chosen_t0(runs: list[dict], metric: str = "val_score", n_boot: int = 2000,
     for (sweep, alpha, arm), by_t0 in groups.items():
         t0s = sorted(by_t0)
         seeds = sorted(set.intersection(*(set(v) for v in by_t0.values())))
-        if not seeds:
+        if not seeds or len(t0s) < 2:  # one T0 (a tuned final stage): nothing to choose
             continue
         vals = np.array([[by_t0[t][s][metric] for t in t0s] for s in seeds], dtype=np.float64)
         vals = np.where(np.isfinite(vals), vals, -np.inf)

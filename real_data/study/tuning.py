@@ -295,3 +295,122 @@ def export_choices(plan: Plan, folder: Path | str, choices: dict | None = None) 
     dest = Path(folder) / CHOICES_FILE
     atomic_write_json(dest, _plain(choices), indent=1)
     return dest
+
+
+def _override_of(overrides, key: str):
+    """The value an override list gives ``key`` (``key=value``, value parsed as JSON where it
+    is JSON), or None."""
+    for o in overrides:
+        k, _, v = o.partition("=")
+        if k == key:
+            try:
+                return json.loads(v)
+            except ValueError:
+                return v
+    return None
+
+
+def _schedule_label(overrides) -> str | None:
+    """``constant``, ``cosine``, ``step@0.75x0.1``...: the schedule a grid point sets, or None
+    where the grid has no schedule axis."""
+    s = _override_of(overrides, "train.lr_schedule")
+    if s is None:
+        return None
+    kind = s.get("kind", "constant") if isinstance(s, dict) else str(s)
+    if kind == "step" and isinstance(s, dict):
+        return f"step@{','.join(str(m) for m in s.get('milestones', []))}x{s.get('factor')}"
+    return kind
+
+
+def schedule_gains(choices: dict, against: str = "fedavg") -> list[dict]:
+    """What a decaying learning rate and what freezing gain on the validation split, from the
+    tuning candidates in ``choices`` (as :func:`choose` writes them; higher is better for an
+    accuracy metric). Per sweep, alpha and arm: the best candidate at a constant lr and the
+    best with a decaying schedule (over lr, the arm's own grid keys and T0), the decay's gain
+    (decayed minus constant), and the arm's lead over ``against`` at a constant lr and with
+    both tuned over every schedule. Scores are on the tuning seed's validation split, which
+    chose the configurations; they say where a gain lies, the final runs test it.
+    Empty where the grid has no schedule axis."""
+    sign = 1.0 if choices.get("metric", "val_acc").endswith("acc") else -1.0
+
+    def top(pool):
+        return max(pool, key=lambda x: sign * float(x["score"])) if pool else None
+
+    rows, best = [], {}
+    for c in choices.get("choices", []):
+        cands = [x for x in c.get("candidates") or []
+                 if x.get("score") is not None and np.isfinite(float(x["score"]))]
+        labels = [_schedule_label(x["overrides"]) for x in cands]
+        if not cands or any(lb is None for lb in labels):
+            continue
+
+        const = top([x for x, lb in zip(cands, labels) if lb == "constant"])
+        decay = top([x for x, lb in zip(cands, labels) if lb != "constant"])
+        row = {"sweep": c["sweep"], "alpha": c["alpha"], "arm": c["arm"]}
+        for name, x in (("constant", const), ("decay", decay)):
+            row[f"{name}_score"] = None if x is None else float(x["score"])
+            row[f"{name}_lr"] = None if x is None else _override_of(x["overrides"],
+                                                                       "train.lr")
+            row[f"{name}_T0"] = None if x is None else x.get("warmup_rounds")
+            row[f"{name}_schedule"] = None if x is None else _schedule_label(x["overrides"])
+        row["decay_gain"] = None if const is None or decay is None else \
+            sign * (float(decay["score"]) - float(const["score"]))
+        row["best_score"] = float(top(cands)["score"])
+        rows.append(row)
+        best[(c["sweep"], c["alpha"], c["arm"])] = row
+    for row in rows:
+        ref = best.get((row["sweep"], row["alpha"], against))
+        for name, key in (("vs_against_constant", "constant_score"),
+                          ("vs_against_best", "best_score")):
+            row[name] = None if ref is None or row["arm"] == against or \
+                row[key] is None or ref[key] is None else sign * (row[key] - ref[key])
+    return rows
+
+
+def write_schedule_gains(choices: dict, folder: Path | str,
+                         against: str = "fedavg") -> list[Path]:
+    """:func:`schedule_gains` as ``schedule_gain.{csv,md}`` in ``folder`` (points for an
+    accuracy metric); nothing where the grid has no schedule axis."""
+    import csv
+    import io
+
+    from linattn.fileio import atomic_write_text
+
+    rows = schedule_gains(choices, against)
+    if not rows:
+        return []
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
+    w.writeheader()
+    w.writerows(rows)
+    atomic_write_text(folder / "schedule_gain.csv", buf.getvalue())
+    acc = choices.get("metric", "val_acc").endswith("acc")
+    scale, unit = (100.0, "points") if acc else (1.0, "loss units, lower better")
+
+    def pts(x):
+        return "" if x is None else f"{scale * x:+.2f}"
+
+    def cfg(r, name):
+        t0 = r[f"{name}_T0"]
+        return (f"{scale * r[f'{name}_score']:.2f} (lr {r[f'{name}_lr']}"
+                f"{'' if name == 'constant' else ', ' + str(r[f'{name}_schedule'])}"
+                f"{'' if t0 is None else ', T0 ' + str(t0)})") if r[f"{name}_score"] is not None \
+            else ""
+
+    lines = [f"Validation {choices.get('metric', 'val_acc')} of the tuning seed (mean of the "
+             f"last {choices.get('last')} evaluations), best over the grid; differences in "
+             f"{unit}. decay gain: the best decayed schedule against the best constant lr; "
+             f"vs {against}: the arm's best against {against}'s best, at a constant lr and "
+             "with every schedule. These scores made the choices; the final runs' paired "
+             "comparison tests them.", "",
+             "| sweep | alpha | arm | best constant lr | best decayed | decay gain | "
+             f"vs {against}, constant lr | vs {against}, any schedule |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['sweep']} | {r['alpha']} | {r['arm']} | {cfg(r, 'constant')} | "
+                     f"{cfg(r, 'decay')} | {pts(r['decay_gain'])} | "
+                     f"{pts(r['vs_against_constant'])} | {pts(r['vs_against_best'])} |")
+    atomic_write_text(folder / "schedule_gain.md", "\n".join(lines) + "\n")
+    return [folder / "schedule_gain.csv", folder / "schedule_gain.md"]

@@ -262,6 +262,8 @@ def test_chosen_t0_and_its_bootstrap_interval():
     # a seed missing at some T0 leaves the comparison
     partial = _runs({0: [0.9, 0.5], 200: [0.1, 0.6, 0.6]})
     assert study.chosen_t0(partial)[0]["n_seeds"] == 2
+    # one T0 per arm (a tuned plan's final stage): nothing to choose, no row
+    assert study.chosen_t0(_runs({150: [0.7, 0.8, 0.75]})) == []
 
 
 def test_bad_inputs_exit_2_and_write_nothing(run_dir, tmp_path, capsys):

@@ -215,11 +215,24 @@ def test_final_stage_of_a_slice_and_from_a_choices_file(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     # FedAvg is tuned, the frozen arm is not: its final runs cannot be chosen yet
     res = run_cli("study", "--plan", str(path), "--out", str(out), "--stage", "final",
-                  "--slice", "digits/frozen/*")
+                  "--slice", "digits/frozen*")
     assert res.returncode == 2 and "no final run of plan tuned is selected" in res.stderr
+    # a typo among the patterns: exit 2 naming it, nothing run
     res = run_cli("study", "--plan", str(path), "--out", str(out), "--stage", "final",
-                  "--slice", "digits/fedavg/*/seed=0")
+                  "--slice", "digits/fedavg/*/seed=0", "--slice", "digits/fedvag/*")
+    assert res.returncode == 2 and "'digits/fedvag/*' matches no run" in res.stderr
+    assert not (out / study.run_key("digits", "fedavg", None, 0.5, 0)).exists()
+    # a pattern whose arm is not tuned yet is skipped, the tuned arm's runs go on
+    res = run_cli("study", "--plan", str(path), "--out", str(out), "--stage", "final",
+                  "--slice", "digits/fedavg/*/seed=0", "--slice", "digits/frozen*")
     assert res.returncode == 0, res.stderr[-2000:]
+    assert "--slice digits/frozen* selects no final run with a chosen configuration" \
+        in res.stdout
+    listed = run_cli("study", "--plan", str(path), "--out", str(out), "--stage", "final",
+                     "--list", "--slice", "digits/fedavg/*/seed=0", "--slice", "digits/frozen*")
+    assert [ln.split() for ln in listed.stdout.splitlines()
+            if not ln.startswith("study:")] == \
+        [["completed", "digits/fedavg/alpha=0.5/seed=0"]]
     choices = json.loads((out / study.CHOICES_FILE).read_text())
     assert [c["arm"] for c in choices["choices"]] == ["fedavg"]
     # the frozen arm: 4 grid points x 2 T0 values, none run
@@ -257,3 +270,47 @@ def test_final_stage_of_a_slice_and_from_a_choices_file(tmp_path):
         res = run_cli("study", "--plan", str(path), "--out", str(fresh), *args)
         assert res.returncode == 2 and "--choices" in res.stderr, res.stderr[-2000:]
         assert not fresh.exists()
+
+
+def test_schedule_gains_from_the_tuning_candidates(tmp_path):
+    """What a decay and what freezing gain on validation: the best constant-lr and the best
+    decayed candidate of every arm, and each arm against FedAvg at a constant lr and with
+    every schedule (hand-computed from the candidates)."""
+    const, cos = 'train.lr_schedule={"kind": "constant"}', 'train.lr_schedule={"kind": "cosine"}'
+    step = 'train.lr_schedule={"kind": "step", "milestones": [0.75], "factor": 0.1}'
+
+    def cand(lr, sched, score, t0=None):
+        return {"overrides": [f"train.lr={lr}", sched], "warmup_rounds": t0, "score": score}
+
+    choices = {"metric": "val_acc", "last": 5, "seed": 100, "choices": [
+        {"sweep": "s", "arm": "fedavg", "alpha": 0.1, "candidates": [
+            cand(0.05, const, 0.70), cand(0.1, const, 0.72), cand(0.1, cos, 0.78),
+            cand(0.05, step, 0.77)]},
+        {"sweep": "s", "arm": "frozen", "alpha": 0.1, "candidates": [
+            cand(0.1, const, 0.75, 50), cand(0.1, const, 0.72, 200), cand(0.1, step, 0.785, 150),
+            cand(0.1, cos, float("nan"), 50)]},
+        {"sweep": "s", "arm": "nogrid", "alpha": 0.1,
+         "candidates": [{"overrides": ["train.lr=0.1"], "warmup_rounds": None, "score": 0.7}]},
+    ]}
+    rows = {r["arm"]: r for r in study.schedule_gains(choices)}
+    assert set(rows) == {"fedavg", "frozen"}  # a grid without a schedule axis: no row
+    fa, fr = rows["fedavg"], rows["frozen"]
+    assert (fa["constant_score"], fa["constant_lr"], fa["decay_score"], fa["decay_schedule"]) \
+        == (0.72, 0.1, 0.78, "cosine")
+    assert fa["decay_gain"] == pytest.approx(0.06, abs=1e-12)
+    assert fa["vs_against_constant"] is None and fa["vs_against_best"] is None
+    assert (fr["constant_T0"], fr["decay_T0"], fr["decay_schedule"]) == (50, 150, "step@0.75x0.1")
+    assert fr["vs_against_constant"] == pytest.approx(0.03, abs=1e-12)
+    assert fr["vs_against_best"] == pytest.approx(0.005, abs=1e-12)
+    paths = study.write_schedule_gains(choices, tmp_path)
+    text = (tmp_path / "schedule_gain.md").read_text()
+    assert [p.name for p in paths] == ["schedule_gain.csv", "schedule_gain.md"]
+    assert "| s | 0.1 | frozen | 75.00 (lr 0.1, T0 50) | 78.50 (lr 0.1, step@0.75x0.1, T0 150) " \
+           "| +3.50 | +3.00 | +0.50 |" in text
+    # a loss metric: lower is better, so the signs follow the improvement
+    loss = json.loads(json.dumps(choices).replace("NaN", "null"))
+    loss["metric"] = "val_loss"
+    rows = {r["arm"]: r for r in study.schedule_gains(loss)}
+    assert rows["fedavg"]["constant_score"] == 0.70
+    assert rows["fedavg"]["decay_gain"] == pytest.approx(0.70 - 0.77, abs=1e-12)
+    assert study.write_schedule_gains({"choices": []}, tmp_path / "none") == []
