@@ -29,13 +29,22 @@ def _run_rounds(spec: RunSpec) -> int:
     return int(run_config(spec, None).train.rounds)
 
 
+def _local_work(spec: RunSpec) -> float:
+    """A round's a-priori cost relative to one of K = 10 local steps: (1 + K) / 11 (the
+    server update, the evaluation and the bookkeeping cost about one local step's work; the
+    fair study measured a K = 40 run-round at 4 to 6 times a K = 10 one on an H200). A run
+    that sets its local work in epochs counts 1."""
+    steps = run_config(spec, None).train.local_steps
+    return 1.0 if steps is None else (1.0 + float(steps)) / 11.0
+
+
 def group_cost(members: list[RunSpec], pace: dict | None = None,
                 skip: frozenset = frozenset()) -> float:
     """Rounds the group trains, times the seconds per round measured for its (sweep, arm)
     where ``pace`` has them (:func:`measured_pace`; an arm not yet run in this sweep takes the
     sweep's median times the arm's ratio measured elsewhere); without ``pace`` one unit per
-    round (a reference round, one client, 0.3). Members whose key is in ``skip`` (finished)
-    cost nothing."""
+    round of K = 10 local steps, scaled by :func:`_local_work` (a reference round, one
+    client, 0.3 of that). Members whose key is in ``skip`` (finished) cost nothing."""
     rounds = _run_rounds(members[0])
     cost = (0 if members[0].key in skip else rounds) + sum(
         rounds - (m.warmup_rounds or 0) for m in members[1:] if m.key not in skip)
@@ -48,7 +57,8 @@ def group_cost(members: list[RunSpec], pace: dict | None = None,
             per_round = base * pace.get(("*", head.arm.name),
                                         0.3 if head.arm.reference else 1.0)
         return cost * per_round
-    return cost * (0.3 if head.arm.reference else 1.0)  # one client: a fraction of a round
+    # one client: a fraction of a round
+    return cost * (0.3 if head.arm.reference else 1.0) * _local_work(head)
 
 
 def measured_pace(specs: list[RunSpec], before: float | None = None) -> dict:

@@ -424,3 +424,20 @@ def test_study_workers_share_the_cores(monkeypatch, capsys):
     assert study_threads(None, (0, 4), cores=32) is None
     assert linattn_main(["study", "--plan", "smoke", "--threads", "0", "--list"]) == 2
     assert "--threads 0" in capsys.readouterr().err
+
+
+def test_the_a_priori_split_weighs_local_steps(tmp_path):
+    """Without a measured pace a round costs (1 + K) / 11 of a K = 10 round, so four runs of
+    K = 40 and four of K = 2 split two and two over two shards, not by rounds alone."""
+    data = yaml.safe_load(yaml.safe_dump(PLAN))
+    data["seeds"] = [0, 1, 2, 3]
+    base = data["sweeps"][0]
+    data["sweeps"] = [dict(base, name=f"k{k}", arms=[base["arms"][0]],
+                           overrides=[*base["overrides"], f"train.local_steps={k}"])
+                      for k in (40, 2)]
+    plan = _plan(tmp_path, data)
+    groups = [[s] for s in study.plan_runs(plan)]
+    assert study._group_cost(groups[0]) == pytest.approx(3 * 41 / 11)
+    assert study._group_cost(groups[-1]) == pytest.approx(3 * 3 / 11)
+    shards = [[g[0].sweep.name for g in study.shard_groups(groups, (k, 2))] for k in range(2)]
+    assert [sorted(s) for s in shards] == [["k2", "k2", "k40", "k40"]] * 2
