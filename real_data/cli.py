@@ -292,10 +292,26 @@ def _study(argv: list[str]) -> int:
     if args.choices is not None and "final" not in stages:
         raise UserError("--choices: only the final stage reads it; drop --stage tune")
     choices = None if args.choices is None else study.load_choices(args.choices, full)
+    if args.slice and full.tune is not None:  # a pattern that names no run is a mistake
+        tune_keys = [s.key for s in study.plan_runs(study.tuning_plan(full))]
+        known = tune_keys + [s.key for s in study.plan_runs(full)]
+        for p in args.slice:
+            if not any(fnmatch.fnmatch(k, p) for k in known):
+                raise UserError(f"--slice {p!r} matches no run of plan {full.name!r}; "
+                                "`linattn study --plan ... --list` shows the run keys")
     failed = 0
     for stage in stages:
         if stage == "tune":
             plan, slices = study.tuning_plan(full), args.slice
+            if args.slice:  # the patterns that select tuning runs (others name final runs)
+                slices = [p for p in args.slice
+                          if any(fnmatch.fnmatch(k, p) for k in tune_keys)]
+                if not slices:
+                    if args.stage == "tune":
+                        raise UserError(f"--slice {' '.join(args.slice)}: selects no tuning "
+                                        f"run of plan {full.name} (tuning keys name the "
+                                        "grid point: <sweep>/<arm>+<i>/...)")
+                    continue
         elif stage == "final":
             slices = args.slice
             # with --slice, only the selected arms need their tuning finished (or chosen)
@@ -311,13 +327,6 @@ def _study(argv: list[str]) -> int:
             keys = [s.key for s in study.plan_runs(plan)] if partial else []
             selecting = [p for p in args.slice or [] if any(fnmatch.fnmatch(k, p) for k in keys)]
             skipped = [p for p in args.slice or [] if p not in selecting] if partial else []
-            if skipped:  # a pattern that names no run of the plan at all is a mistake
-                known = [s.key for pl in (full, study.tuning_plan(full))
-                         for s in study.plan_runs(pl)]
-                for p in skipped:
-                    if not any(fnmatch.fnmatch(k, p) for k in known):
-                        raise UserError(f"--slice {p!r} matches no run of plan {full.name!r}; "
-                                        "`linattn study --plan ... --list` shows the run keys")
             if partial and not selecting:
                 msg = (f"--slice {' '.join(args.slice)}: no final run of plan {full.name} is "
                        "selected whose arm has a chosen configuration")
@@ -329,7 +338,8 @@ def _study(argv: list[str]) -> int:
                 break
             for p in skipped:  # its arms are not tuned yet; the other patterns go on
                 print(f"study: --slice {p} selects no final run with a chosen "
-                      "configuration (its arms' tuning is unfinished); skipped")
+                      "configuration (tuning unfinished, absent from --choices, or a T0 "
+                      "not chosen); skipped")
             slices = selecting if partial else args.slice
             print("study: chosen configurations in "
                   f"{args.choices or full.out_dir / study.CHOICES_FILE}")

@@ -26,8 +26,11 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from linattn.errors import UserError
 from linattn.fileio import atomic_write_json, atomic_write_text
+from linattn_theory.probe import ProbeSelector, smoothed
 from real_data import study
 from real_data.algorithms.fedfrozen import FedFrozenParams
 from real_data.config import load_config
@@ -40,6 +43,20 @@ AUTO = ["algorithm.warmup=auto", "algorithm.warmup_rounds=null",
         *(f"algorithm.{f.name}={'null' if f.default is None else f.default}"
           for f in dataclasses.fields(FedFrozenParams) if f.name.startswith("probe_")
           and f.name != "probe_batch")]
+
+
+def _decision(summary: dict) -> dict:
+    """What the probe rule compared: its best smoothed prediction and snapshot, the loss of
+    continuing to T (None when it stopped before T) and the predictions' noise sigma, replayed
+    from the predictions ``summary.json`` keeps."""
+    preds = [float(p) for p in summary["predictions"]]
+    smooth = smoothed(preds, True)
+    best = int(np.argmin(smooth))
+    sel = ProbeSelector(total_rounds=int(summary["stopped_at"]))
+    sel.predictions = preds
+    return {"best_snapshot": int(summary["snapshots"][best]),
+            "best_prediction": float(smooth[best]),
+            "continuing_loss": summary["continuing_loss"], "noise": sel.noise()}
 
 
 def _pairs(args):
@@ -85,14 +102,15 @@ def compare(args) -> None:
             rows.append({"sweep": spec.sweep.name, "arm": "auto", "warmup_rounds": None,
                          "alpha": spec.alpha, "seed": spec.seed, **row,
                          "fedavg_equivalent": summary["rounds_computed"]["fedavg_equivalent"],
-                         "stopped_at": summary["stopped_at"]})
+                         "stopped_at": summary["stopped_at"], **_decision(summary)})
     fixed = [dict(r, warmup_rounds=None) for r in rows if r["arm"] == args.arm]
     result = {"against_fedavg": [c for c in study.compare(rows, "fedavg")
                                  if c["arm"] == "auto"],
               "against_fixed": study.compare([r for r in rows if r["arm"] == "auto"] + fixed,
                                              args.arm),
               "runs": [{k: r[k] for k in ("sweep", "alpha", "seed", "score", "decided_T0",
-                                          "stopped_at", "fedavg_equivalent")}
+                                          "stopped_at", "fedavg_equivalent", "best_snapshot",
+                                          "best_prediction", "continuing_loss", "noise")}
                        for r in rows if r["arm"] == "auto"]}
     args.export.mkdir(parents=True, exist_ok=True)
     atomic_write_json(args.export / "warmup_auto.json", result, indent=1)
@@ -108,12 +126,23 @@ def compare(args) -> None:
                 f"[{100 * c['ci_low']:+.2f}, {100 * c['ci_high']:+.2f}]"
             lines.append(f"| {c['sweep']} | {c['alpha']} | {name} | {c['n']} | "
                          f"{100 * c['diff_mean']:+.2f} | {ci} | {c['verdict']} |")
-    lines += ["", "| sweep | alpha | seed | score | T0 decided | stopped at | "
-              "compute / FedAvg |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "The decision: the best smoothed prediction of the validation objective at T "
+              "(eq. 36) and its snapshot, the objective of continuing to T (when the run got "
+              "there) and the predictions' noise sigma; a snapshot must beat continuing by "
+              "sigma.", "",
+              "| sweep | alpha | seed | score | T0 decided | stopped at | compute / FedAvg | "
+              "best snapshot | best prediction | continuing | sigma |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def num(x):
+        return "-" if x is None else f"{x:.3f}"
+
     for r in result["runs"]:
         lines.append(f"| {r['sweep']} | {r['alpha']} | {r['seed']} | {r['score']:.4f} | "
                      f"{r['decided_T0']:.0f} | {r['stopped_at']} | "
-                     f"{r['fedavg_equivalent']:.2f} |")
+                     f"{r['fedavg_equivalent']:.2f} | {r['best_snapshot']} | "
+                     f"{num(r['best_prediction'])} | {num(r['continuing_loss'])} | "
+                     f"{num(r['noise'])} |")
     atomic_write_text(args.export / "warmup_auto.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -86,6 +86,7 @@ from real_data.study.profile_tables import (
 )
 from real_data.study.runner import (
     FINAL,
+    batch_cost,
     ensure_pretrained,
     group_cost,
     measured_pace,
@@ -156,6 +157,7 @@ __all__ = [
     "Sweep",
     "aggregate",
     "ensure_pretrained",
+    "batch_cost",
     "group_cost",
     "kernel_deviation",
     "load_plan",

@@ -32,7 +32,7 @@ def _run_rounds(spec: RunSpec) -> int:
 def _local_work(spec: RunSpec) -> float:
     """A round's a-priori cost relative to one of K = 10 local steps: (1 + K) / 11 (the
     server update, the evaluation and the bookkeeping cost about one local step's work; the
-    fair study measured a K = 40 run-round at 4 to 6 times a K = 10 one on an H200). A run
+    fair study measured a K = 40 run-round at about 3 to 6 times a K = 10 one on an H200). A run
     that sets its local work in epochs counts 1."""
     steps = run_config(spec, None).train.local_steps
     return 1.0 if steps is None else (1.0 + float(steps)) / 11.0
@@ -42,7 +42,8 @@ def group_cost(members: list[RunSpec], pace: dict | None = None,
                 skip: frozenset = frozenset()) -> float:
     """Rounds the group trains, times the seconds per round measured for its (sweep, arm)
     where ``pace`` has them (:func:`measured_pace`; an arm not yet run in this sweep takes the
-    sweep's median times the arm's ratio measured elsewhere); without ``pace`` one unit per
+    sweep's median times the arm's ratio measured elsewhere, a sweep not yet run the overall
+    median times :func:`_local_work`); without ``pace`` one unit per
     round of K = 10 local steps, scaled by :func:`_local_work` (a reference round, one
     client, 0.3 of that). Members whose key is in ``skip`` (finished) cost nothing."""
     rounds = _run_rounds(members[0])
@@ -52,13 +53,22 @@ def group_cost(members: list[RunSpec], pace: dict | None = None,
     if pace:
         per_round = pace.get((head.sweep.name, head.arm.name))
         if per_round is None:  # the sweep's (or overall) median, times the arm's measured
-            # ratio to its sweep's median in the other sweeps (FedSQ ~2.3x, SCAFFOLD ~1.6x)
-            base = pace.get(head.sweep.name, pace["*"])
+            # ratio to its sweep's median in the other sweeps (FedSQ ~2.3x, SCAFFOLD ~1.6x);
+            # a sweep not measured yet: the overall median scaled by its local work
+            base = pace[head.sweep.name] if head.sweep.name in pace else \
+                pace["*"] * _local_work(head)
             per_round = base * pace.get(("*", head.arm.name),
                                         0.3 if head.arm.reference else 1.0)
         return cost * per_round
     # one client: a fraction of a round
     return cost * (0.3 if head.arm.reference else 1.0) * _local_work(head)
+
+
+def batch_cost(batch: list[list[RunSpec]], pace: dict | None = None,
+               skip: frozenset = frozenset()) -> float:
+    """:func:`group_cost` of a stacked batch: the sum over its T0 families (each family's
+    head trains all its rounds, its branches the rounds after their T0)."""
+    return sum(group_cost(family, pace, skip) for family in batch)
 
 
 def measured_pace(specs: list[RunSpec], before: float | None = None) -> dict:
@@ -231,7 +241,7 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
         now = time.perf_counter() - start
         finished = frozenset(m.key for m in members if run_status(m.run_dir) in FINAL)
         todo_here = len(finished) < len(members)
-        cost = group_cost(members, pace, finished) if deadline_s is not None else 0.0
+        cost = batch_cost(batch, pace, finished) if deadline_s is not None else 0.0
         # at the pace of the groups run here; before any, a measured pace is already seconds
         ratio = spent / cost_done if cost_done > 0 else (1.0 if pace else None)
         late = deadline_s is not None and ratio is not None and todo_here and \

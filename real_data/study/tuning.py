@@ -387,7 +387,7 @@ def write_schedule_gains(choices: dict, folder: Path | str,
     w.writerows(rows)
     atomic_write_text(folder / "schedule_gain.csv", buf.getvalue())
     acc = choices.get("metric", "val_acc").endswith("acc")
-    scale, unit = (100.0, "points") if acc else (1.0, "loss units, lower better")
+    scale, unit = (100.0, "points") if acc else (1.0, "loss units, positive = lower loss")
 
     def pts(x):
         return "" if x is None else f"{scale * x:+.2f}"
@@ -403,8 +403,9 @@ def write_schedule_gains(choices: dict, folder: Path | str,
              f"last {choices.get('last')} evaluations), best over the grid; differences in "
              f"{unit}. decay gain: the best decayed schedule against the best constant lr; "
              f"vs {against}: the arm's best against {against}'s best, at a constant lr and "
-             "with every schedule. These scores made the choices; the final runs' paired "
-             "comparison tests them.", "",
+             "with every schedule (a freezing arm's best includes never freezing, T0 = T). "
+             "These scores made the choices; the final runs' paired comparison tests them.",
+             "",
              "| sweep | alpha | arm | best constant lr | best decayed | decay gain | "
              f"vs {against}, constant lr | vs {against}, any schedule |",
              "|---|---|---|---|---|---|---|---|"]

@@ -427,10 +427,12 @@ def test_study_workers_share_the_cores(monkeypatch, capsys):
 
 
 def test_the_a_priori_split_weighs_local_steps(tmp_path):
-    """Without a measured pace a round costs (1 + K) / 11 of a K = 10 round, so four runs of
-    K = 40 and four of K = 2 split two and two over two shards, not by rounds alone."""
+    """Without a measured pace a round costs (1 + K) / 11 of a K = 10 round: three runs of
+    K = 40 and three of K = 2 split by their work (counting rounds alone would put two K = 40
+    runs on one shard and one on the other, each beside K = 2 runs); with a measured pace, a
+    sweep not run yet takes the overall median times its local work."""
     data = yaml.safe_load(yaml.safe_dump(PLAN))
-    data["seeds"] = [0, 1, 2, 3]
+    data["seeds"] = [0, 1, 2]
     base = data["sweeps"][0]
     data["sweeps"] = [dict(base, name=f"k{k}", arms=[base["arms"][0]],
                            overrides=[*base["overrides"], f"train.local_steps={k}"])
@@ -440,4 +442,28 @@ def test_the_a_priori_split_weighs_local_steps(tmp_path):
     assert study._group_cost(groups[0]) == pytest.approx(3 * 41 / 11)
     assert study._group_cost(groups[-1]) == pytest.approx(3 * 3 / 11)
     shards = [[g[0].sweep.name for g in study.shard_groups(groups, (k, 2))] for k in range(2)]
-    assert [sorted(s) for s in shards] == [["k2", "k2", "k40", "k40"]] * 2
+    assert [sorted(s) for s in shards] == [["k40", "k40"], ["k2", "k2", "k2", "k40"]]
+    pace = {"*": 0.5, "k2": 0.1, ("k2", "fedavg"): 0.1, ("*", "fedavg"): 1.0}
+    assert study._group_cost(groups[0], pace) == pytest.approx(3 * 0.5 * 41 / 11)
+    assert study._group_cost(groups[-1], pace) == pytest.approx(3 * 0.1)
+
+
+def test_a_stacked_batch_costs_every_family_it_holds(tmp_path):
+    """A stacked batch of two T0 families (T0 in {0, 2}, 3 rounds): each family's head trains
+    3 rounds and its branch 3 - 0 = 3 more, so the batch costs 12 rounds, not the 9 of one
+    family's rule applied to the batch as a whole."""
+    data = yaml.safe_load(yaml.safe_dump(PLAN))
+    data["seeds"] = [0, 1]
+    data["sweeps"][0]["arms"] = [data["sweeps"][0]["arms"][1]]
+    plan = _plan(tmp_path, data)
+    families = {}
+    for s in study.plan_runs(plan):
+        families.setdefault(s.seed, []).append(s)
+    batch = [sorted(f, key=lambda s: -s.warmup_rounds) for f in families.values()]
+    from real_data.study import runner
+
+    assert [[s.warmup_rounds for s in f] for f in batch] == [[2, 0], [2, 0]]
+    work = runner._local_work(batch[0][0])  # the config's K = 5: (1 + 5) / 11 a round
+    assert study.batch_cost(batch) == pytest.approx(2 * (3 + 3) * work)
+    assert study._group_cost([m for f in batch for m in f]) == pytest.approx((3 + 3 + 1 + 3)
+                                                                             * work)

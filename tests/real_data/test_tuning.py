@@ -222,6 +222,13 @@ def test_final_stage_of_a_slice_and_from_a_choices_file(tmp_path):
                   "--slice", "digits/fedavg/*/seed=0", "--slice", "digits/fedvag/*")
     assert res.returncode == 2 and "'digits/fedvag/*' matches no run" in res.stderr
     assert not (out / study.run_key("digits", "fedavg", None, 0.5, 0)).exists()
+    # the tune stage: a typo, or only final-run keys, exit 2 before anything runs
+    for pattern, said in (("digits/fedvag+*/*", "matches no run"),
+                          ("digits/fedavg/*/seed=0", "selects no tuning run")):
+        res = run_cli("study", "--plan", str(path), "--out", str(tmp_path / "t"), "--stage",
+                      "tune", "--slice", pattern)
+        assert res.returncode == 2 and said in res.stderr, res.stderr[-2000:]
+        assert not (tmp_path / "t").exists()
     # a pattern whose arm is not tuned yet is skipped, the tuned arm's runs go on
     res = run_cli("study", "--plan", str(path), "--out", str(out), "--stage", "final",
                   "--slice", "digits/fedavg/*/seed=0", "--slice", "digits/frozen*")
