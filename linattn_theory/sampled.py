@@ -34,7 +34,12 @@ __all__ = ["SampledClients", "sample_clients", "ProbeRun", "probe_run", "RuleRun
 @dataclass(frozen=True)
 class SampledClients:
     """Training and validation sequences per client: x_q (C, N, d), Sigma_hat (C, N, d, d),
-    y (C, N, d_y); the validation arrays have N_val in place of N."""
+    y (C, N, d_y); the validation arrays have N_val in place of N.
+
+    All six are views of ``table`` (C, N + N_val, w): one row per sequence, training rows
+    first, holding Sigma_hat (d^2 entries, row-major), x_q (d) and y (d_y), padded to whole
+    64-byte lines; a minibatch step then gathers one contiguous row per sequence.
+    """
 
     query: np.ndarray
     sigma_hat: np.ndarray
@@ -42,27 +47,36 @@ class SampledClients:
     val_query: np.ndarray
     val_sigma_hat: np.ndarray
     val_target: np.ndarray
+    table: np.ndarray
 
 
 def sample_clients(problem: Problem, samples_per_client: int, validation_fraction: float,
                    rng: np.random.Generator) -> SampledClients:
     """N sequences per client from its teacher (eq. 1); the last fraction is the validation
     split."""
-    c, d, n = problem.num_clients, problem.dim, problem.context_length
-    chol = np.linalg.cholesky(problem.covariances)
-    z = rng.standard_normal((c, samples_per_client, n + 1, d))
-    x = z @ np.swapaxes(chol, 1, 2)[:, None]                 # rows x^T, (C, N, n+1, d)
-    query, context = x[:, :, 0], x[:, :, 1:]
-    sigma_hat = np.swapaxes(context, 2, 3) @ context / n      # (C, N, d, d)
-    a_star = query @ problem.kernel_teachers                  # (M*^T x_q)^T, (C, N, d)
-    target = (sigma_hat @ a_star[..., None])[..., 0] @ problem.value_teachers
-    target = target + problem.noise * rng.standard_normal(target.shape)
+    c, d, n, dy = problem.num_clients, problem.dim, problem.context_length, problem.out_dim
     n_val = max(1, int(round(validation_fraction * samples_per_client)))
     cut = samples_per_client - n_val
     require(cut >= 1, "validation_fraction", validation_fraction,
             "below 1 - 1/N, so that every client keeps training data")
+    chol = np.linalg.cholesky(problem.covariances)
+    z = rng.standard_normal((c, samples_per_client, n + 1, d))
+    x = z @ np.swapaxes(chol, 1, 2)[:, None]                 # rows x^T, (C, N, n+1, d)
+    del z
+    width = -(-(d * d + d + dy) // 8) * 8
+    table = np.zeros((c, samples_per_client, width))
+    sigma_hat = table[..., :d * d].reshape(c, samples_per_client, d, d)
+    query = table[..., d * d:d * d + d]
+    target = table[..., d * d + d:d * d + d + dy]
+    context = x[:, :, 1:]
+    np.matmul(np.swapaxes(context, 2, 3), context, out=sigma_hat)
+    sigma_hat /= n
+    query[...] = x[:, :, 0]
+    a_star = x[:, :, 0] @ problem.kernel_teachers             # (M*^T x_q)^T, (C, N, d)
+    clean = (sigma_hat @ a_star[..., None])[..., 0] @ problem.value_teachers
+    target[...] = clean + problem.noise * rng.standard_normal(clean.shape)
     return SampledClients(query[:, :cut], sigma_hat[:, :cut], target[:, :cut],
-                          query[:, cut:], sigma_hat[:, cut:], target[:, cut:])
+                          query[:, cut:], sigma_hat[:, cut:], target[:, cut:], table)
 
 
 def _features(kernel, query, sigma_hat):
@@ -84,48 +98,88 @@ def _penalty(problem, kernel, value) -> float:
                   + problem.kernel_ridge * float(np.sum(kernel * kernel)))
 
 
-def _warmup_round(problem, data, kernel, value, lr, batches):
-    """One FedAvg round on (M, V): K minibatch steps per client from the global point."""
-    c = problem.num_clients
-    m = np.broadcast_to(kernel, (c, *kernel.shape)).copy()
-    v = np.broadcast_to(value, (c, *value.shape)).copy()
-    rows = np.arange(c)[:, None]
-    shrink_m, shrink_v = 1 - lr * problem.kernel_ridge, 1 - lr * problem.ridge
-    # Sigma_hat is symmetric, so the prediction x_q^T M Sigma_hat V is z^T V with
-    # z = Sigma_hat M^T x_q, and the kernel's gradient sum_b x_q (Sigma_hat V r_b)^T needs no
-    # (C, B, d, d_y) product: batched matrix products only
-    for idx in batches:                                       # (C, B) per local step
-        q, s, y = data.query[rows, idx], data.sigma_hat[rows, idx], data.target[rows, idx]
-        za = (s @ (q @ m)[..., None])[..., 0]                 # (C, B, d): Sigma_hat M^T x_q
-        res = za @ v - y                                      # (C, B, d_y)
-        scale = lr / idx.shape[1]
-        grad_v = za.mT @ res                                  # (C, d, d_y)
-        grad_m = q.mT @ (s @ (res @ v.mT)[..., None])[..., 0]   # (C, d, d)
-        m *= shrink_m
-        m -= scale * grad_m
-        v *= shrink_v
-        v -= scale * grad_v
-    p = problem.weights
-    return np.tensordot(p, m, axes=1), np.tensordot(p, v, axes=1)
+class _Steps:
+    """The minibatch SGD steps of one run on its training data, with the buffers they reuse.
 
+    A minibatch is a draw idx (C, B) of training rows per client. A warm-up step gathers the
+    drawn rows of the data's table (``np.take`` on its (C N_all, w) view, row c N_all + i) into
+    a buffer allocated once (``mode="clip"`` lets ``take`` write into it directly; every drawn
+    index lies in [0, N), so clipping never moves one); Sigma_hat, x_q and y are views of the
+    gathered rows. The arithmetic is the plain formulation's: the same numpy operations on
+    arrays of the same shapes, hence the same numbers to the bit. A frozen round gathers its K
+    minibatches of features at once.
+    """
 
-def _frozen_rounds(problem, data, feats, value, lr, schedule):
-    """Frozen rounds on V from ``value`` (features u fixed), one per entry of ``schedule`` (the
-    K minibatch draws of that round); V before the first and after each round."""
-    c = problem.num_clients
-    rows = np.arange(c)[:, None]
-    out = [value]
-    shrink = 1 - lr * problem.ridge
-    for batches in schedule:
+    def __init__(self, problem: Problem, data: SampledClients, lr: float, batch_size: int):
+        c, n, d, dy = problem.num_clients, data.query.shape[1], problem.dim, problem.out_dim
+        self.problem, self.lr, self.dim, self.out_dim, self.train = problem, lr, d, dy, n
+        per_client = data.table.shape[1]
+        self.records = data.table.reshape(c * per_client, data.table.shape[2])
+        self.record_offsets = per_client * np.arange(c)[:, None]
+        self.train_offsets = n * np.arange(c)[:, None]
+        self.targets = np.ascontiguousarray(data.target).reshape(c * n, dy)
+        self.batch = np.empty((c * batch_size, self.records.shape[1]))
+        self.za = np.empty((c, batch_size, d, 1))
+        self.sw = np.empty((c, batch_size, d, 1))
+
+    def warmup_round(self, kernel: np.ndarray, value: np.ndarray, batches):
+        """One FedAvg round on (M, V): K minibatch steps per client from the global point."""
+        problem, lr = self.problem, self.lr
+        c, d, dy = problem.num_clients, self.dim, self.out_dim
+        m = np.broadcast_to(kernel, (c, *kernel.shape)).copy()
         v = np.broadcast_to(value, (c, *value.shape)).copy()
-        for idx in batches:
-            u, y = feats[rows, idx], data.target[rows, idx]
-            res = u @ v - y                                   # (C, B, d_y)
-            v *= shrink
-            v -= (lr / idx.shape[1]) * (u.mT @ res)
-        value = np.tensordot(problem.weights, v, axes=1)
-        out.append(value)
-    return out
+        shrink_m, shrink_v = 1 - lr * problem.kernel_ridge, 1 - lr * problem.ridge
+        # Sigma_hat is symmetric, so the prediction x_q^T M Sigma_hat V is z^T V with
+        # z = Sigma_hat M^T x_q, and the kernel's gradient sum_b x_q (Sigma_hat V r_b)^T needs
+        # no (C, B, d, d_y) product: batched matrix products only
+        for idx in batches:                                   # (C, B) per local step
+            b = idx.shape[1]
+            rec = np.take(self.records, (idx + self.record_offsets).ravel(), axis=0,
+                          out=self.batch[:c * b], mode="clip")
+            s = rec[:, :d * d].reshape(c, b, d, d)
+            q = rec[:, d * d:d * d + d].reshape(c, b, d)
+            y = rec[:, d * d + d:d * d + d + dy].reshape(c, b, dy)
+            za = np.matmul(s, (q @ m)[..., None], out=self.za[:, :b])[..., 0]  # Sigma_hat M^T x_q
+            res = za @ v - y                                  # (C, B, d_y)
+            scale = lr / b
+            grad_v = za.mT @ res                              # (C, d, d_y)
+            # V r_b: for d_y = 1 the product of the two factors (a matrix product with one
+            # term per entry gives the same numbers)
+            w = res * v.mT if dy == 1 else res @ v.mT
+            grad_m = q.mT @ np.matmul(s, w[..., None], out=self.sw[:, :b])[..., 0]  # (C, d, d)
+            m *= shrink_m
+            m -= scale * grad_m
+            v *= shrink_v
+            v -= scale * grad_v
+        p = problem.weights
+        return np.tensordot(p, m, axes=1), np.tensordot(p, v, axes=1)
+
+    def frozen_plan(self, batches):
+        """A frozen round's K minibatches: their rows (K C B,) and targets (K, C, B, d_y)."""
+        c, b = batches[0].shape
+        rows = np.concatenate([(idx + self.train_offsets).ravel() for idx in batches])
+        return rows, np.take(self.targets, rows, axis=0).reshape(len(batches), c, b,
+                                                                 self.out_dim)
+
+    def frozen_rounds(self, feats: np.ndarray, value: np.ndarray, plans) -> list:
+        """Frozen rounds on V from ``value`` (features u (C, N, d) fixed), one per plan of
+        :meth:`frozen_plan`; V before the first and after each round."""
+        problem, lr = self.problem, self.lr
+        c, d = problem.num_clients, self.dim
+        table = np.ascontiguousarray(feats).reshape(c * self.train, d)
+        shrink = 1 - lr * problem.ridge
+        out = [value]
+        for rows, targets in plans:
+            k, _, b, _ = targets.shape
+            u_all = np.take(table, rows, axis=0).reshape(k, c, b, d)
+            v = np.broadcast_to(value, (c, *value.shape)).copy()
+            for u, y in zip(u_all, targets):
+                res = u @ v - y                               # (C, B, d_y)
+                v *= shrink
+                v -= (lr / b) * (u.mT @ res)
+            value = np.tensordot(problem.weights, v, axes=1)
+            out.append(value)
+        return out
 
 
 @dataclass(frozen=True)
@@ -184,6 +238,7 @@ def probe_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int
     data = sample_clients(problem, samples_per_client, validation_fraction, data_rng)
     c, n_train = problem.num_clients, data.query.shape[1]
     bsz = min(batch_size, n_train)
+    steps = _Steps(problem, data, lr, bsz)
 
     def draws():
         return [draw_rng.integers(0, n_train, size=(c, bsz)) for _ in range(local_steps)]
@@ -191,7 +246,8 @@ def probe_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int
     # every probe uses the same minibatch draws (common random numbers), so that snapshots
     # differ by their model, not by their probe's noise
     probe_rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(3)[2])
-    probe_draws = [[probe_rng.integers(0, n_train, size=(c, bsz)) for _ in range(local_steps)]
+    probe_plans = [steps.frozen_plan([probe_rng.integers(0, n_train, size=(c, bsz))
+                                      for _ in range(local_steps)])
                    for _ in range(probe_rounds)]
 
     selector = ProbeSelector(t_total, patience=patience, window=window, max_rate=max_rate,
@@ -206,7 +262,7 @@ def probe_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int
                     snapshots[t] = (kernel, value)
                     feats = _features(kernel, data.query, data.sigma_hat)
                     val_feats = _features(kernel, data.val_query, data.val_sigma_hat)
-                    path = _frozen_rounds(problem, data, feats, value, lr, probe_draws)
+                    path = steps.frozen_rounds(feats, value, probe_plans)
                     losses = [_val_loss_from(problem, data, val_feats, v)
                               + _penalty(problem, kernel, v) for v in path]
                     if selector.add(t, losses):
@@ -215,7 +271,7 @@ def probe_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int
                 if t == t_total:
                     continuing = _validation_loss(problem, data, kernel, value)
                     break
-                kernel, value = _warmup_round(problem, data, kernel, value, lr, draws())
+                kernel, value = steps.warmup_round(kernel, value, draws())
         except FloatingPointError:
             raise ParameterError(
                 f"lr={lr:g} with local_steps={local_steps}: the probe's finite-sample run "
@@ -227,8 +283,8 @@ def probe_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int
         kernel, value = snapshots[choice.warmup_rounds]
         feats = _features(kernel, data.query, data.sigma_hat)
         frozen = t_total - choice.warmup_rounds
-        value = _frozen_rounds(problem, data, feats, value, lr,
-                               [draws() for _ in range(frozen)])[-1]
+        plans = (steps.frozen_plan(draws()) for _ in range(frozen))
+        value = steps.frozen_rounds(feats, value, plans)[-1]
     warm = stopped
     used = {"warmup": warm, "probe": choice.probe_rounds_used, "frozen": frozen}
     used["fedavg_equivalent"] = (warm + choice.probe_rounds_used + frozen) / t_total
@@ -287,6 +343,7 @@ def rule_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int,
     z = probe_rng.standard_normal((probe_rows, problem.context_length + 1, problem.dim))
     x = np.einsum("rnd,red->rne", z, chol[owner])            # rows x^T per sequence
     probe_query, probe_context = x[:, 0], x[:, 1:]
+    steps = _Steps(problem, data, lr, bsz)
     kernel, value = start.kernel.astype(np.float64), start.value.astype(np.float64)
     first = _validation_loss(problem, data, kernel, value)
     scale = abs(first) if first != 0 else 1.0
@@ -298,7 +355,7 @@ def rule_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int,
                     break
                 draws = [draw_rng.integers(0, n_train, size=(c, bsz))
                          for _ in range(local_steps)]
-                new_kernel, new_value = _warmup_round(problem, data, kernel, value, lr, draws)
+                new_kernel, new_value = steps.warmup_round(kernel, value, draws)
                 signals = {"delta": new_kernel - kernel, "lr": lr,
                            "other_deltas": {"value": new_value - value},
                            "scores": np.einsum("rd,de,rne->rn", probe_query, new_kernel,
