@@ -59,21 +59,23 @@ def sample_clients(problem: Problem, samples_per_client: int, validation_fractio
     cut = samples_per_client - n_val
     require(cut >= 1, "validation_fraction", validation_fraction,
             "below 1 - 1/N, so that every client keeps training data")
-    chol = np.linalg.cholesky(problem.covariances)
-    z = rng.standard_normal((c, samples_per_client, n + 1, d))
-    x = z @ np.swapaxes(chol, 1, 2)[:, None]                 # rows x^T, (C, N, n+1, d)
-    del z
+    chol_t = np.swapaxes(np.linalg.cholesky(problem.covariances), 1, 2)
     width = -(-(d * d + d + dy) // 8) * 8
     table = np.zeros((c, samples_per_client, width))
     sigma_hat = table[..., :d * d].reshape(c, samples_per_client, d, d)
     query = table[..., d * d:d * d + d]
     target = table[..., d * d + d:d * d + d + dy]
-    context = x[:, :, 1:]
-    np.matmul(np.swapaxes(context, 2, 3), context, out=sigma_hat)
-    sigma_hat /= n
-    query[...] = x[:, :, 0]
-    a_star = x[:, :, 0] @ problem.kernel_teachers             # (M*^T x_q)^T, (C, N, d)
-    clean = (sigma_hat @ a_star[..., None])[..., 0] @ problem.value_teachers
+    clean = np.empty(target.shape)
+    # one client at a time: the draws come in the order of one (C, N, n+1, d) draw, and every
+    # product is per sequence or per client
+    for m in range(c):
+        x = rng.standard_normal((samples_per_client, n + 1, d)) @ chol_t[m]   # rows x^T
+        context = x[:, 1:]
+        np.matmul(np.swapaxes(context, 1, 2), context, out=sigma_hat[m])
+        sigma_hat[m] /= n
+        query[m] = x[:, 0]
+        a_star = x[:, 0] @ problem.kernel_teachers[m]                    # (M*^T x_q)^T
+        clean[m] = (sigma_hat[m] @ a_star[..., None])[..., 0] @ problem.value_teachers[m]
     target[...] = clean + problem.noise * rng.standard_normal(clean.shape)
     return SampledClients(query[:, :cut], sigma_hat[:, :cut], target[:, :cut],
                           query[:, cut:], sigma_hat[:, cut:], target[:, cut:], table)
