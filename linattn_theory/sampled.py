@@ -193,7 +193,8 @@ class ProbeRun:
     choice : ProbeChoice
         The chosen T0 and every snapshot's prediction.
     kernel, value : ndarray
-        The final model (M_T0, V_T) after rolling back to T0 and freezing.
+        The final model (M_T0, V_T) after rolling back to T0 and freezing (with
+        ``finish=False``, the snapshot's (M_T0, V_T0)).
     rounds_computed : dict
         ``warmup`` (rounds of full training), ``probe`` (frozen probe rounds), ``frozen``
         (frozen rounds after the roll-back), and ``fedavg_equivalent`` (the total against one
@@ -211,7 +212,7 @@ def probe_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int
               samples_per_client: int = 4096, validation_fraction: float = 0.25,
               interval: int | None = None, probe_rounds: int = 10,
               patience: int = 4, max_rate: float = 1.0, margin: float = 1.0,
-              window: int = 4) -> ProbeRun:
+              window: int = 4, finish: bool = True) -> ProbeRun:
     """Run finite-sample FedAvg with freeze-now probes every ``interval`` rounds (eq. 36).
 
     Parameters
@@ -229,6 +230,12 @@ def probe_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int
         r, frozen rounds per probe (>= 2).
     patience, max_rate, margin, window : int, float, float, int
         The selection rule (:class:`linattn_theory.probe.ProbeSelector`).
+    finish : bool
+        Run the T - T0 frozen rounds after the roll-back (``value`` is V_T). False stops at
+        the choice: ``kernel, value`` are the snapshot's (M_T0, V_T0), no frozen round is
+        simulated, and ``rounds_computed`` counts the same rounds as with True (those of the
+        schedule the choice implies), so that the choice and its cost come without the
+        continuation's draws.
     """
     require(isinstance(total_rounds, int | np.integer) and total_rounds >= 1, "total_rounds",
             total_rounds, "an integer T >= 1")
@@ -283,10 +290,11 @@ def probe_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int
     frozen = 0
     if choice.warmup_rounds < t_total:
         kernel, value = snapshots[choice.warmup_rounds]
-        feats = _features(kernel, data.query, data.sigma_hat)
         frozen = t_total - choice.warmup_rounds
-        plans = (steps.frozen_plan(draws()) for _ in range(frozen))
-        value = steps.frozen_rounds(feats, value, plans)[-1]
+        if finish:
+            feats = _features(kernel, data.query, data.sigma_hat)
+            plans = (steps.frozen_plan(draws()) for _ in range(frozen))
+            value = steps.frozen_rounds(feats, value, plans)[-1]
     warm = stopped
     used = {"warmup": warm, "probe": choice.probe_rounds_used, "frozen": frozen}
     used["fedavg_equivalent"] = (warm + choice.probe_rounds_used + frozen) / t_total

@@ -260,6 +260,10 @@ def test_probe_run_matches_reference(case):
     assert new.choice == choice
     assert _same(new.kernel, kernel) and _same(new.value, value)
     assert new.rounds_computed == used
+    short = probe_run(problem, start, lr, steps, total, finish=False, **rest)
+    assert short.choice == choice and short.rounds_computed == used
+    assert _same(short.kernel, kernel)
+    assert _same(short.value, value) == (used["frozen"] == 0)
     assert (choice.stopped_at == total) == case.endswith("to_the_end")
     assert (used["frozen"] > 0) == (case in ("dy1", "dy2_shift", "k1_big_batch"))
 
@@ -279,6 +283,19 @@ def test_rule_run_matches_reference(case):
     assert new.warmup_rounds == fired and new.rounds_run == rounds
     for name in signals:
         assert _same(new.signals[name], signals[name]), name
+
+
+def test_recommend_warmup_reports_the_reference_probe():
+    """recommend_warmup's probe estimate and compute are the reference run's (its defaults)."""
+    from linattn_theory.advice import PROBE_DEFAULTS
+    from linattn_theory.warmup import recommend_warmup
+
+    problem = make_problem(**CASES["dy1"][0])
+    advice = recommend_warmup(problem, lr=0.1, local_steps=3, total_rounds=60)
+    choice, _, _, used = ref_probe_run(problem, initial_point(problem), 0.1, 3, 60,
+                                       **PROBE_DEFAULTS)
+    assert advice.probe_estimate == choice.warmup_rounds and advice.probe_compute == used
+    assert advice.probe_error == float(advice.path.final_error[choice.warmup_rounds])
 
 
 def test_divergence_is_reported_in_the_same_round():
