@@ -232,10 +232,10 @@ def probe_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int
         The selection rule (:class:`linattn_theory.probe.ProbeSelector`).
     finish : bool
         Run the T - T0 frozen rounds after the roll-back (``value`` is V_T). False stops at
-        the choice: ``kernel, value`` are the snapshot's (M_T0, V_T0), no frozen round is
-        simulated, and ``rounds_computed`` counts the same rounds as with True (those of the
-        schedule the choice implies), so that the choice and its cost come without the
-        continuation's draws.
+        the choice, for callers that need only the choice and its cost: ``kernel, value``
+        are the snapshot's (M_T0, V_T0), no frozen round is simulated, and
+        ``rounds_computed`` counts the same rounds as with True (the schedule the choice
+        implies).
     """
     require(isinstance(total_rounds, int | np.integer) and total_rounds >= 1, "total_rounds",
             total_rounds, "an integer T >= 1")
