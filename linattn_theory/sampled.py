@@ -100,15 +100,23 @@ def _penalty(problem, kernel, value) -> float:
                   + problem.kernel_ridge * float(np.sum(kernel * kernel)))
 
 
+# A warm-up step gathers the minibatch rows of a group of clients at a time, at most this many
+# bytes (about a core's L2 cache), so that the two per-sequence products after the gather
+# read the rows from cache; every client's arithmetic is the same in any grouping
+_GATHER_BYTES = 1 << 21
+
+
 class _Steps:
     """The minibatch SGD steps of one run on its training data, with the buffers they reuse.
 
-    A minibatch is a draw idx (C, B) of training rows per client. A warm-up step gathers the
-    drawn rows of the data's table (``np.take`` on its (C N_all, w) view, row c N_all + i) into
-    a buffer allocated once (``mode="clip"`` lets ``take`` write into it directly; every drawn
-    index lies in [0, N), so clipping never moves one); Sigma_hat, x_q and y are views of the
-    gathered rows. The arithmetic is the plain formulation's: the same numpy operations on
-    arrays of the same shapes, hence the same numbers to the bit. A frozen round gathers its K
+    A minibatch is a draw idx (C, B) of training rows per client. A warm-up round runs the
+    clients in groups of ``group`` (each group's K local steps in turn; clients are
+    independent within a round). A step gathers the group's drawn rows of the data's table
+    (``np.take`` on its (C N_all, w) view, row c N_all + i) into a buffer allocated once
+    (``mode="clip"`` lets ``take`` write into it directly; every drawn index lies in [0, N),
+    so clipping never moves one); Sigma_hat, x_q and y are views of the gathered rows. The
+    arithmetic is the plain formulation's: the same numpy operations, per client, on arrays of
+    the same shapes, hence the same numbers to the bit. A frozen round gathers its K
     minibatches of features at once.
     """
 
@@ -120,9 +128,10 @@ class _Steps:
         self.record_offsets = per_client * np.arange(c)[:, None]
         self.train_offsets = n * np.arange(c)[:, None]
         self.targets = np.ascontiguousarray(data.target).reshape(c * n, dy)
-        self.batch = np.empty((c * batch_size, self.records.shape[1]))
-        self.za = np.empty((c, batch_size, d, 1))
-        self.sw = np.empty((c, batch_size, d, 1))
+        self.group = int(min(c, max(1, _GATHER_BYTES // (batch_size * self.records.strides[0]))))
+        self.batch = np.empty((self.group * batch_size, self.records.shape[1]))
+        self.za = np.empty((self.group, batch_size, d, 1))
+        self.sw = np.empty((self.group, batch_size, d, 1))
 
     def warmup_round(self, kernel: np.ndarray, value: np.ndarray, batches):
         """One FedAvg round on (M, V): K minibatch steps per client from the global point."""
@@ -131,28 +140,34 @@ class _Steps:
         m = np.broadcast_to(kernel, (c, *kernel.shape)).copy()
         v = np.broadcast_to(value, (c, *value.shape)).copy()
         shrink_m, shrink_v = 1 - lr * problem.kernel_ridge, 1 - lr * problem.ridge
-        # Sigma_hat is symmetric, so the prediction x_q^T M Sigma_hat V is z^T V with
-        # z = Sigma_hat M^T x_q, and the kernel's gradient sum_b x_q (Sigma_hat V r_b)^T needs
-        # no (C, B, d, d_y) product: batched matrix products only
-        for idx in batches:                                   # (C, B) per local step
-            b = idx.shape[1]
-            rec = np.take(self.records, (idx + self.record_offsets).ravel(), axis=0,
-                          out=self.batch[:c * b], mode="clip")
-            s = rec[:, :d * d].reshape(c, b, d, d)
-            q = rec[:, d * d:d * d + d].reshape(c, b, d)
-            y = rec[:, d * d + d:d * d + d + dy].reshape(c, b, dy)
-            za = np.matmul(s, (q @ m)[..., None], out=self.za[:, :b])[..., 0]  # Sigma_hat M^T x_q
-            res = za @ v - y                                  # (C, B, d_y)
-            scale = lr / b
-            grad_v = za.mT @ res                              # (C, d, d_y)
-            # V r_b: for d_y = 1 the product of the two factors (a matrix product with one
-            # term per entry gives the same numbers)
-            w = res * v.mT if dy == 1 else res @ v.mT
-            grad_m = q.mT @ np.matmul(s, w[..., None], out=self.sw[:, :b])[..., 0]  # (C, d, d)
-            m *= shrink_m
-            m -= scale * grad_m
-            v *= shrink_v
-            v -= scale * grad_v
+        rows = [idx + self.record_offsets for idx in batches]          # (C, B) per local step
+        for lo in range(0, c, self.group):
+            part = slice(lo, min(lo + self.group, c))
+            mg, vg = m[part], v[part]                                  # views, updated in place
+            g = mg.shape[0]
+            # Sigma_hat is symmetric, so the prediction x_q^T M Sigma_hat V is z^T V with
+            # z = Sigma_hat M^T x_q, and the kernel's gradient sum_b x_q (Sigma_hat V r_b)^T
+            # needs no (C, B, d, d_y) product: batched matrix products only
+            for step_rows in rows:
+                b = step_rows.shape[1]
+                rec = np.take(self.records, step_rows[part].ravel(), axis=0,
+                              out=self.batch[:g * b], mode="clip")
+                s = rec[:, :d * d].reshape(g, b, d, d)
+                q = rec[:, d * d:d * d + d].reshape(g, b, d)
+                y = rec[:, d * d + d:d * d + d + dy].reshape(g, b, dy)
+                za = np.matmul(s, (q @ mg)[..., None], out=self.za[:g, :b])[..., 0]
+                res = za @ vg - y                                      # (G, B, d_y)
+                scale = lr / b
+                grad_v = za.mT @ res                                   # (G, d, d_y)
+                # V r_b: for d_y = 1 the product of the two factors (a matrix product with
+                # one term per entry gives the same numbers)
+                w = res * vg.mT if dy == 1 else res @ vg.mT
+                sw = np.matmul(s, w[..., None], out=self.sw[:g, :b])[..., 0]
+                grad_m = q.mT @ sw                                     # (G, d, d)
+                mg *= shrink_m
+                mg -= scale * grad_m
+                vg *= shrink_v
+                vg -= scale * grad_v
         p = problem.weights
         return np.tensordot(p, m, axes=1), np.tensordot(p, v, axes=1)
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from linattn_theory import sampled
 from linattn_theory.dynamics import initial_point
 from linattn_theory.errors import ParameterError
 from linattn_theory.freeze_rules import make_rule
@@ -266,6 +267,29 @@ def test_probe_run_matches_reference(case):
     assert _same(short.value, value) == (used["frozen"] == 0)
     assert (choice.stopped_at == total) == case.endswith("to_the_end")
     assert (used["frozen"] > 0) == (case in ("dy1", "dy2_shift", "k1_big_batch"))
+
+
+@pytest.mark.parametrize("clients_per_group", [1, 2])
+@pytest.mark.parametrize("case", ["dy1", "dy2_shift"])
+def test_client_groups_give_the_same_numbers(case, clients_per_group, monkeypatch):
+    """A warm-up round runs the clients in groups sized by a byte budget; forced to groups of
+    one or two clients (3 clients in dy1: a group of 2 and one of 1), the run is the
+    reference's to the bit."""
+    spec, run = CASES[case]
+    problem = make_problem(**spec)
+    row_bytes = 64 * -(-(problem.dim**2 + problem.dim + problem.out_dim) // 8)
+    monkeypatch.setattr(sampled, "_GATHER_BYTES", clients_per_group * run["batch_size"]
+                        * row_bytes)
+    start = initial_point(problem)
+    lr, steps, total = run["lr"], run["local_steps"], run["total_rounds"]
+    rest = {k: v for k, v in run.items() if k not in ("lr", "local_steps", "total_rounds")}
+    data = sample_clients(problem, run["samples_per_client"],
+                          run.get("validation_fraction", 0.25), np.random.default_rng(0))
+    assert sampled._Steps(problem, data, lr, run["batch_size"]).group == clients_per_group
+    new = probe_run(problem, start, lr, steps, total, **rest)
+    choice, kernel, value, used = ref_probe_run(problem, start, lr, steps, total, **rest)
+    assert new.choice == choice and new.rounds_computed == used
+    assert _same(new.kernel, kernel) and _same(new.value, value)
 
 
 @pytest.mark.parametrize("case", ["dy1", "dy2_shift"])
