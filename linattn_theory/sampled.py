@@ -116,8 +116,8 @@ class _Steps:
     (``mode="clip"`` lets ``take`` write into it directly; every drawn index lies in [0, N),
     so clipping never moves one); Sigma_hat, x_q and y are views of the gathered rows. The
     arithmetic is the plain formulation's: the same numpy operations, per client, on arrays of
-    the same shapes, hence the same numbers to the bit. A frozen round gathers its K
-    minibatches of features at once.
+    the same shapes, hence the same numbers to the bit. A frozen step gathers its minibatch of
+    features into a buffer of its own the same way.
     """
 
     def __init__(self, problem: Problem, data: SampledClients, lr: float, batch_size: int):
@@ -132,6 +132,7 @@ class _Steps:
         self.batch = np.empty((self.group * batch_size, self.records.shape[1]))
         self.za = np.empty((self.group, batch_size, d, 1))
         self.sw = np.empty((self.group, batch_size, d, 1))
+        self.features = np.empty((c * batch_size, d))
 
     def warmup_round(self, kernel: np.ndarray, value: np.ndarray, batches):
         """One FedAvg round on (M, V): K minibatch steps per client from the global point."""
@@ -172,9 +173,9 @@ class _Steps:
         return np.tensordot(p, m, axes=1), np.tensordot(p, v, axes=1)
 
     def frozen_plan(self, batches):
-        """A frozen round's K minibatches: their rows (K C B,) and targets (K, C, B, d_y)."""
+        """A frozen round's K minibatches: their rows (K, C B) and targets (K, C, B, d_y)."""
         c, b = batches[0].shape
-        rows = np.concatenate([(idx + self.train_offsets).ravel() for idx in batches])
+        rows = np.stack([(idx + self.train_offsets).ravel() for idx in batches])
         return rows, np.take(self.targets, rows, axis=0).reshape(len(batches), c, b,
                                                                  self.out_dim)
 
@@ -187,11 +188,12 @@ class _Steps:
         shrink = 1 - lr * problem.ridge
         out = [value]
         for rows, targets in plans:
-            k, _, b, _ = targets.shape
-            u_all = np.take(table, rows, axis=0).reshape(k, c, b, d)
             v = np.broadcast_to(value, (c, *value.shape)).copy()
-            for u, y in zip(u_all, targets):
-                res = u @ v - y                               # (C, B, d_y)
+            for step_rows, y in zip(rows, targets):
+                b = y.shape[1]
+                u = np.take(table, step_rows, axis=0, out=self.features[:c * b],
+                            mode="clip").reshape(c, b, d)
+                res = u @ v - y                                        # (C, B, d_y)
                 v *= shrink
                 v -= (lr / b) * (u.mT @ res)
             value = np.tensordot(problem.weights, v, axes=1)
