@@ -35,7 +35,6 @@ import platform  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-import tarfile  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -124,11 +123,10 @@ def _export(rev: str, dest: Path) -> str:
     """Write commit ``rev``'s tree into ``dest``; return the full commit id."""
     commit = subprocess.run(["git", "rev-parse", "--verify", f"{rev}^{{commit}}"], cwd=ROOT,
                             capture_output=True, text=True, check=True).stdout.strip()
-    archive = dest.parent / "tree.tar"
-    with archive.open("wb") as out:
-        subprocess.run(["git", "archive", commit], cwd=ROOT, stdout=out, check=True)
-    with tarfile.open(archive) as tar:
-        tar.extractall(dest, filter="data")
+    dest.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", commit], cwd=ROOT, capture_output=True,
+                             check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
     return commit
 
 
