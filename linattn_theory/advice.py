@@ -126,8 +126,9 @@ def advise_warmup(problem: Problem, lr: float, local_steps: int, total_rounds: i
     best = path.best_warmup
     estimate = error = compute = None
     if probe:
+        # the choice and its cost are what the advice reports: no frozen continuation
         run = probe_run(problem, start, float(lr), int(local_steps), int(total_rounds),
-                        seed=probe_seed, **PROBE_DEFAULTS)
+                        seed=probe_seed, finish=False, **PROBE_DEFAULTS)
         estimate = run.choice.warmup_rounds
         error = float(path.final_error[estimate])
         compute = dict(run.rounds_computed)

@@ -34,7 +34,12 @@ __all__ = ["SampledClients", "sample_clients", "ProbeRun", "probe_run", "RuleRun
 @dataclass(frozen=True)
 class SampledClients:
     """Training and validation sequences per client: x_q (C, N, d), Sigma_hat (C, N, d, d),
-    y (C, N, d_y); the validation arrays have N_val in place of N."""
+    y (C, N, d_y); the validation arrays have N_val in place of N.
+
+    All six are views of ``table`` (C, N + N_val, w): one row per sequence, training rows
+    first, holding Sigma_hat (d^2 entries, row-major), x_q (d) and y (d_y), padded to whole
+    64-byte lines; a minibatch step then gathers one contiguous row per sequence.
+    """
 
     query: np.ndarray
     sigma_hat: np.ndarray
@@ -42,27 +47,38 @@ class SampledClients:
     val_query: np.ndarray
     val_sigma_hat: np.ndarray
     val_target: np.ndarray
+    table: np.ndarray
 
 
 def sample_clients(problem: Problem, samples_per_client: int, validation_fraction: float,
                    rng: np.random.Generator) -> SampledClients:
     """N sequences per client from its teacher (eq. 1); the last fraction is the validation
     split."""
-    c, d, n = problem.num_clients, problem.dim, problem.context_length
-    chol = np.linalg.cholesky(problem.covariances)
-    z = rng.standard_normal((c, samples_per_client, n + 1, d))
-    x = z @ np.swapaxes(chol, 1, 2)[:, None]                 # rows x^T, (C, N, n+1, d)
-    query, context = x[:, :, 0], x[:, :, 1:]
-    sigma_hat = np.swapaxes(context, 2, 3) @ context / n      # (C, N, d, d)
-    a_star = query @ problem.kernel_teachers                  # (M*^T x_q)^T, (C, N, d)
-    target = (sigma_hat @ a_star[..., None])[..., 0] @ problem.value_teachers
-    target = target + problem.noise * rng.standard_normal(target.shape)
+    c, d, n, dy = problem.num_clients, problem.dim, problem.context_length, problem.out_dim
     n_val = max(1, int(round(validation_fraction * samples_per_client)))
     cut = samples_per_client - n_val
     require(cut >= 1, "validation_fraction", validation_fraction,
             "below 1 - 1/N, so that every client keeps training data")
+    chol_t = np.swapaxes(np.linalg.cholesky(problem.covariances), 1, 2)
+    width = -(-(d * d + d + dy) // 8) * 8
+    table = np.zeros((c, samples_per_client, width))
+    sigma_hat = table[..., :d * d].reshape(c, samples_per_client, d, d)
+    query = table[..., d * d:d * d + d]
+    target = table[..., d * d + d:d * d + d + dy]
+    clean = np.empty(target.shape)
+    # one client at a time: the draws come in the order of one (C, N, n+1, d) draw, and every
+    # product is per sequence or per client
+    for m in range(c):
+        x = rng.standard_normal((samples_per_client, n + 1, d)) @ chol_t[m]   # rows x^T
+        context = x[:, 1:]
+        np.matmul(np.swapaxes(context, 1, 2), context, out=sigma_hat[m])
+        sigma_hat[m] /= n
+        query[m] = x[:, 0]
+        a_star = x[:, 0] @ problem.kernel_teachers[m]                    # (M*^T x_q)^T
+        clean[m] = (sigma_hat[m] @ a_star[..., None])[..., 0] @ problem.value_teachers[m]
+    target[...] = clean + problem.noise * rng.standard_normal(clean.shape)
     return SampledClients(query[:, :cut], sigma_hat[:, :cut], target[:, :cut],
-                          query[:, cut:], sigma_hat[:, cut:], target[:, cut:])
+                          query[:, cut:], sigma_hat[:, cut:], target[:, cut:], table)
 
 
 def _features(kernel, query, sigma_hat):
@@ -84,48 +100,105 @@ def _penalty(problem, kernel, value) -> float:
                   + problem.kernel_ridge * float(np.sum(kernel * kernel)))
 
 
-def _warmup_round(problem, data, kernel, value, lr, batches):
-    """One FedAvg round on (M, V): K minibatch steps per client from the global point."""
-    c = problem.num_clients
-    m = np.broadcast_to(kernel, (c, *kernel.shape)).copy()
-    v = np.broadcast_to(value, (c, *value.shape)).copy()
-    rows = np.arange(c)[:, None]
-    shrink_m, shrink_v = 1 - lr * problem.kernel_ridge, 1 - lr * problem.ridge
-    # Sigma_hat is symmetric, so the prediction x_q^T M Sigma_hat V is z^T V with
-    # z = Sigma_hat M^T x_q, and the kernel's gradient sum_b x_q (Sigma_hat V r_b)^T needs no
-    # (C, B, d, d_y) product: batched matrix products only
-    for idx in batches:                                       # (C, B) per local step
-        q, s, y = data.query[rows, idx], data.sigma_hat[rows, idx], data.target[rows, idx]
-        za = (s @ (q @ m)[..., None])[..., 0]                 # (C, B, d): Sigma_hat M^T x_q
-        res = za @ v - y                                      # (C, B, d_y)
-        scale = lr / idx.shape[1]
-        grad_v = za.mT @ res                                  # (C, d, d_y)
-        grad_m = q.mT @ (s @ (res @ v.mT)[..., None])[..., 0]   # (C, d, d)
-        m *= shrink_m
-        m -= scale * grad_m
-        v *= shrink_v
-        v -= scale * grad_v
-    p = problem.weights
-    return np.tensordot(p, m, axes=1), np.tensordot(p, v, axes=1)
+# A warm-up step gathers the minibatch rows of a group of clients at a time, at most this many
+# bytes (about a core's L2 cache), so that the two per-sequence products after the gather
+# read the rows from cache; every client's arithmetic is the same in any grouping
+_GATHER_BYTES = 1 << 21
 
 
-def _frozen_rounds(problem, data, feats, value, lr, schedule):
-    """Frozen rounds on V from ``value`` (features u fixed), one per entry of ``schedule`` (the
-    K minibatch draws of that round); V before the first and after each round."""
-    c = problem.num_clients
-    rows = np.arange(c)[:, None]
-    out = [value]
-    shrink = 1 - lr * problem.ridge
-    for batches in schedule:
+class _Steps:
+    """The minibatch SGD steps of one run on its training data, with the buffers they reuse.
+
+    A minibatch is a draw idx (C, B) of training rows per client. A warm-up round runs the
+    clients in groups of ``group`` (each group's K local steps in turn; clients are
+    independent within a round). A step gathers the group's drawn rows of the data's table
+    (``np.take`` on its (C N_all, w) view, row c N_all + i) into a buffer allocated once
+    (``mode="clip"`` lets ``take`` write into it directly; every drawn index lies in [0, N),
+    so clipping never moves one); Sigma_hat, x_q and y are views of the gathered rows. The
+    arithmetic is the plain formulation's: the same numpy operations, per client, on arrays of
+    the same shapes, hence the same numbers to the bit. A frozen step gathers its minibatch of
+    features into a buffer of its own the same way.
+    """
+
+    def __init__(self, problem: Problem, data: SampledClients, lr: float, batch_size: int):
+        c, n, d, dy = problem.num_clients, data.query.shape[1], problem.dim, problem.out_dim
+        self.problem, self.lr, self.dim, self.out_dim, self.train = problem, lr, d, dy, n
+        per_client = data.table.shape[1]
+        self.records = data.table.reshape(c * per_client, data.table.shape[2])
+        self.record_offsets = per_client * np.arange(c)[:, None]
+        self.train_offsets = n * np.arange(c)[:, None]
+        self.targets = np.ascontiguousarray(data.target).reshape(c * n, dy)
+        self.group = int(min(c, max(1, _GATHER_BYTES // (batch_size * self.records.strides[0]))))
+        self.batch = np.empty((self.group * batch_size, self.records.shape[1]))
+        self.za = np.empty((self.group, batch_size, d, 1))
+        self.sw = np.empty((self.group, batch_size, d, 1))
+        self.features = np.empty((c * batch_size, d))
+
+    def warmup_round(self, kernel: np.ndarray, value: np.ndarray, batches):
+        """One FedAvg round on (M, V): K minibatch steps per client from the global point."""
+        problem, lr = self.problem, self.lr
+        c, d, dy = problem.num_clients, self.dim, self.out_dim
+        m = np.broadcast_to(kernel, (c, *kernel.shape)).copy()
         v = np.broadcast_to(value, (c, *value.shape)).copy()
-        for idx in batches:
-            u, y = feats[rows, idx], data.target[rows, idx]
-            res = u @ v - y                                   # (C, B, d_y)
-            v *= shrink
-            v -= (lr / idx.shape[1]) * (u.mT @ res)
-        value = np.tensordot(problem.weights, v, axes=1)
-        out.append(value)
-    return out
+        shrink_m, shrink_v = 1 - lr * problem.kernel_ridge, 1 - lr * problem.ridge
+        rows = [idx + self.record_offsets for idx in batches]          # (C, B) per local step
+        for lo in range(0, c, self.group):
+            part = slice(lo, min(lo + self.group, c))
+            mg, vg = m[part], v[part]                                  # views, updated in place
+            g = mg.shape[0]
+            # Sigma_hat is symmetric, so the prediction x_q^T M Sigma_hat V is z^T V with
+            # z = Sigma_hat M^T x_q, and the kernel's gradient sum_b x_q (Sigma_hat V r_b)^T
+            # needs no (C, B, d, d_y) product: batched matrix products only
+            for step_rows in rows:
+                b = step_rows.shape[1]
+                rec = np.take(self.records, step_rows[part].ravel(), axis=0,
+                              out=self.batch[:g * b], mode="clip")
+                s = rec[:, :d * d].reshape(g, b, d, d)
+                q = rec[:, d * d:d * d + d].reshape(g, b, d)
+                y = rec[:, d * d + d:d * d + d + dy].reshape(g, b, dy)
+                za = np.matmul(s, (q @ mg)[..., None], out=self.za[:g, :b])[..., 0]
+                res = za @ vg - y                                      # (G, B, d_y)
+                scale = lr / b
+                grad_v = za.mT @ res                                   # (G, d, d_y)
+                # V r_b: for d_y = 1 the product of the two factors (a matrix product with
+                # one term per entry gives the same numbers)
+                w = res * vg.mT if dy == 1 else res @ vg.mT
+                sw = np.matmul(s, w[..., None], out=self.sw[:g, :b])[..., 0]
+                grad_m = q.mT @ sw                                     # (G, d, d)
+                mg *= shrink_m
+                mg -= scale * grad_m
+                vg *= shrink_v
+                vg -= scale * grad_v
+        p = problem.weights
+        return np.tensordot(p, m, axes=1), np.tensordot(p, v, axes=1)
+
+    def frozen_plan(self, batches):
+        """A frozen round's K minibatches: their rows (K, C B) and targets (K, C, B, d_y)."""
+        c, b = batches[0].shape
+        rows = np.stack([(idx + self.train_offsets).ravel() for idx in batches])
+        return rows, np.take(self.targets, rows, axis=0).reshape(len(batches), c, b,
+                                                                 self.out_dim)
+
+    def frozen_rounds(self, feats: np.ndarray, value: np.ndarray, plans) -> list:
+        """Frozen rounds on V from ``value`` (features u (C, N, d) fixed), one per plan of
+        :meth:`frozen_plan`; V before the first and after each round."""
+        problem, lr = self.problem, self.lr
+        c, d = problem.num_clients, self.dim
+        table = np.ascontiguousarray(feats).reshape(c * self.train, d)
+        shrink = 1 - lr * problem.ridge
+        out = [value]
+        for rows, targets in plans:
+            v = np.broadcast_to(value, (c, *value.shape)).copy()
+            for step_rows, y in zip(rows, targets):
+                b = y.shape[1]
+                u = np.take(table, step_rows, axis=0, out=self.features[:c * b],
+                            mode="clip").reshape(c, b, d)
+                res = u @ v - y                                        # (C, B, d_y)
+                v *= shrink
+                v -= (lr / b) * (u.mT @ res)
+            value = np.tensordot(problem.weights, v, axes=1)
+            out.append(value)
+        return out
 
 
 @dataclass(frozen=True)
@@ -137,7 +210,8 @@ class ProbeRun:
     choice : ProbeChoice
         The chosen T0 and every snapshot's prediction.
     kernel, value : ndarray
-        The final model (M_T0, V_T) after rolling back to T0 and freezing.
+        The final model (M_T0, V_T) after rolling back to T0 and freezing (with
+        ``finish=False``, the snapshot's (M_T0, V_T0)).
     rounds_computed : dict
         ``warmup`` (rounds of full training), ``probe`` (frozen probe rounds), ``frozen``
         (frozen rounds after the roll-back), and ``fedavg_equivalent`` (the total against one
@@ -155,7 +229,7 @@ def probe_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int
               samples_per_client: int = 4096, validation_fraction: float = 0.25,
               interval: int | None = None, probe_rounds: int = 10,
               patience: int = 4, max_rate: float = 1.0, margin: float = 1.0,
-              window: int = 4) -> ProbeRun:
+              window: int = 4, finish: bool = True) -> ProbeRun:
     """Run finite-sample FedAvg with freeze-now probes every ``interval`` rounds (eq. 36).
 
     Parameters
@@ -173,6 +247,12 @@ def probe_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int
         r, frozen rounds per probe (>= 2).
     patience, max_rate, margin, window : int, float, float, int
         The selection rule (:class:`linattn_theory.probe.ProbeSelector`).
+    finish : bool
+        Run the T - T0 frozen rounds after the roll-back (``value`` is V_T). False stops at
+        the choice, for callers that need only the choice and its cost: ``kernel, value``
+        are the snapshot's (M_T0, V_T0), no frozen round is simulated, and
+        ``rounds_computed`` counts the same rounds as with True (the schedule the choice
+        implies).
     """
     require(isinstance(total_rounds, int | np.integer) and total_rounds >= 1, "total_rounds",
             total_rounds, "an integer T >= 1")
@@ -184,6 +264,7 @@ def probe_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int
     data = sample_clients(problem, samples_per_client, validation_fraction, data_rng)
     c, n_train = problem.num_clients, data.query.shape[1]
     bsz = min(batch_size, n_train)
+    steps = _Steps(problem, data, lr, bsz)
 
     def draws():
         return [draw_rng.integers(0, n_train, size=(c, bsz)) for _ in range(local_steps)]
@@ -191,7 +272,8 @@ def probe_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int
     # every probe uses the same minibatch draws (common random numbers), so that snapshots
     # differ by their model, not by their probe's noise
     probe_rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(3)[2])
-    probe_draws = [[probe_rng.integers(0, n_train, size=(c, bsz)) for _ in range(local_steps)]
+    probe_plans = [steps.frozen_plan([probe_rng.integers(0, n_train, size=(c, bsz))
+                                      for _ in range(local_steps)])
                    for _ in range(probe_rounds)]
 
     selector = ProbeSelector(t_total, patience=patience, window=window, max_rate=max_rate,
@@ -206,7 +288,7 @@ def probe_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int
                     snapshots[t] = (kernel, value)
                     feats = _features(kernel, data.query, data.sigma_hat)
                     val_feats = _features(kernel, data.val_query, data.val_sigma_hat)
-                    path = _frozen_rounds(problem, data, feats, value, lr, probe_draws)
+                    path = steps.frozen_rounds(feats, value, probe_plans)
                     losses = [_val_loss_from(problem, data, val_feats, v)
                               + _penalty(problem, kernel, v) for v in path]
                     if selector.add(t, losses):
@@ -215,7 +297,7 @@ def probe_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int
                 if t == t_total:
                     continuing = _validation_loss(problem, data, kernel, value)
                     break
-                kernel, value = _warmup_round(problem, data, kernel, value, lr, draws())
+                kernel, value = steps.warmup_round(kernel, value, draws())
         except FloatingPointError:
             raise ParameterError(
                 f"lr={lr:g} with local_steps={local_steps}: the probe's finite-sample run "
@@ -225,10 +307,11 @@ def probe_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int
     frozen = 0
     if choice.warmup_rounds < t_total:
         kernel, value = snapshots[choice.warmup_rounds]
-        feats = _features(kernel, data.query, data.sigma_hat)
         frozen = t_total - choice.warmup_rounds
-        value = _frozen_rounds(problem, data, feats, value, lr,
-                               [draws() for _ in range(frozen)])[-1]
+        if finish:
+            feats = _features(kernel, data.query, data.sigma_hat)
+            plans = (steps.frozen_plan(draws()) for _ in range(frozen))
+            value = steps.frozen_rounds(feats, value, plans)[-1]
     warm = stopped
     used = {"warmup": warm, "probe": choice.probe_rounds_used, "frozen": frozen}
     used["fedavg_equivalent"] = (warm + choice.probe_rounds_used + frozen) / t_total
@@ -287,6 +370,7 @@ def rule_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int,
     z = probe_rng.standard_normal((probe_rows, problem.context_length + 1, problem.dim))
     x = np.einsum("rnd,red->rne", z, chol[owner])            # rows x^T per sequence
     probe_query, probe_context = x[:, 0], x[:, 1:]
+    steps = _Steps(problem, data, lr, bsz)
     kernel, value = start.kernel.astype(np.float64), start.value.astype(np.float64)
     first = _validation_loss(problem, data, kernel, value)
     scale = abs(first) if first != 0 else 1.0
@@ -298,7 +382,7 @@ def rule_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int,
                     break
                 draws = [draw_rng.integers(0, n_train, size=(c, bsz))
                          for _ in range(local_steps)]
-                new_kernel, new_value = _warmup_round(problem, data, kernel, value, lr, draws)
+                new_kernel, new_value = steps.warmup_round(kernel, value, draws)
                 signals = {"delta": new_kernel - kernel, "lr": lr,
                            "other_deltas": {"value": new_value - value},
                            "scores": np.einsum("rd,de,rne->rn", probe_query, new_kernel,

@@ -30,13 +30,13 @@ equality (T0 = T without covariate shift).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
 from linattn_theory.dynamics import InitialPoint, round_maps, warmup_paths_full
 from linattn_theory.errors import ParameterError, require
-from linattn_theory.frozen import frozen_stages
+from linattn_theory.frozen import FrozenStage, frozen_stages
 from linattn_theory.objectives import pooled_kernel_gradient, pooled_terms
 from linattn_theory.problem import Problem
 
@@ -44,6 +44,11 @@ __all__ = ["WarmupPath", "warmup_path", "kernel_curvature_bound", "frozen_transi
            "ROUNDOFF"]
 
 ROUNDOFF = 1e-12
+
+# The stacks over T0 (frozen stages, reference rounds) are evaluated this many kernels at a
+# time, so that each call's (chunk, C, d, d) arrays stay in cache; every kernel's numbers are
+# those of one call on the whole stack (the computations are per kernel)
+_CHUNK = 16
 
 
 @dataclass(frozen=True)
@@ -149,6 +154,29 @@ def frozen_transient_norms(hessians: np.ndarray, transitions: np.ndarray,
     return np.linalg.norm(root @ power @ inv_root, ord=2, axis=(-2, -1))
 
 
+def _frozen_stages(problem: Problem, kernels: np.ndarray, lr: float,
+                   local_steps: int) -> FrozenStage:
+    """:func:`linattn_theory.frozen.frozen_stages` of the stack, in chunks of ``_CHUNK``."""
+    try:
+        parts = [frozen_stages(problem, kernels[i:i + _CHUNK], lr, local_steps)
+                 for i in range(0, len(kernels), _CHUNK)]
+    except ParameterError:
+        # the message names the stability limit over the whole stack, as one call gives it
+        return frozen_stages(problem, kernels, lr, local_steps)
+    return FrozenStage(**{f.name: np.concatenate([getattr(p, f.name) for p in parts])
+                          for f in fields(FrozenStage)})
+
+
+def _reference_rounds(problem: Problem, kernels: np.ndarray, values: np.ndarray, lr: float,
+                      local_steps: int):
+    """One reference round (eq. 20) from every point, in chunks of ``_CHUNK`` (round_maps
+    needs one FedAvg point: each chunk passes its first and discards that round)."""
+    parts = [round_maps(problem, (kernels[i:i + 1], values[i:i + 1]),
+                        (kernels[i:i + _CHUNK], values[i:i + _CHUNK]), lr, local_steps)[1]
+             for i in range(0, len(kernels), _CHUNK)]
+    return tuple(np.concatenate(block) for block in zip(*parts))
+
+
 def _norms(*blocks):
     """Frobenius norm of (M, V) pairs over the last two axes of each block, joined."""
     return np.sqrt(sum(np.sum(b * b, axis=(-2, -1)) for b in blocks))
@@ -185,7 +213,7 @@ def warmup_path(problem: Problem, start: InitialPoint, lr: float, local_steps: i
     # 1. Kernel quantities along both paths (eq. 10): Phi, V*(M), H(M)
     ref_opt = np.linalg.solve(ref_hess, ref_lin)
     ref_phi = ref_const - 0.5 * np.sum(ref_lin * ref_opt, axis=(1, 2))
-    stage = frozen_stages(problem, kernels, lr, local_steps)
+    stage = _frozen_stages(problem, kernels, lr, local_steps)
     hess, opt = stage.hessian, stage.optimum
     _, lin, const = pooled_terms(problem, kernels)
     phi = const - 0.5 * np.sum(lin * opt, axis=(1, 2))
@@ -205,9 +233,7 @@ def warmup_path(problem: Problem, start: InitialPoint, lr: float, local_steps: i
     final_error = phi - phi_star + value_error
 
     # 3. Deviation bound (eq. 32): one reference round from every FedAvg point
-    # (round_maps needs one FedAvg point; the first is passed and its round is discarded)
-    _, (ref_m, ref_v) = round_maps(problem, (kernels[:1], values[:1]),
-                                   (kernels[:-1], values[:-1]), lr, local_steps)
+    ref_m, ref_v = _reference_rounds(problem, kernels[:-1], values[:-1], lr, local_steps)
     gap = _norms(kernels[1:] - ref_m, values[1:] - ref_v)
     moved = _norms(ref_m - ref_kernels[1:], ref_v - ref_values[1:])
     before = _norms(kernels[:-1] - ref_kernels[:-1], values[:-1] - ref_values[:-1])

@@ -6,18 +6,22 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import fields
 
 import numpy as np
 import pytest
 
+from linattn_theory import warmup_path as warmup_path_module
 from linattn_theory.dynamics import initial_point, population_dynamics
 from linattn_theory.errors import ParameterError
+from linattn_theory.frozen import frozen_stages
 from linattn_theory.objectives import global_loss, pooled_kernel_gradient
 from linattn_theory.probe import ProbeSelector, extrapolate, smoothed
 from linattn_theory.problem import make_problem
 from linattn_theory.profile import solve_profile
 from linattn_theory.warmup import recommend_warmup
 from linattn_theory.warmup_path import (
+    WarmupPath,
     frozen_transient_norms,
     kernel_curvature_bound,
     warmup_path,
@@ -50,6 +54,42 @@ def test_bound_is_valid_and_tight_on_a_path(setup):
     assert np.all(path.norm_bound >= path.final_error)
     assert np.all(path.deviation_bound >= path.kernel_deviation - 1e-12)
     assert path.bound[path.best_warmup] / path.final_error[path.best_warmup] < 10
+
+
+@pytest.mark.parametrize("spec, total", [(PROBLEM, 37),
+                                         (dict(dim=4, num_clients=3, out_dim=2, seed=5), 50)])
+def test_chunked_stacks_give_the_numbers_of_one_call(spec, total, monkeypatch):
+    """The frozen stages and reference rounds over T0 are evaluated in chunks; every field
+    of the path is, to the bit, that of one call on the whole stack."""
+    problem = make_problem(**spec)
+    start = initial_point(problem)
+    star = solve_profile(problem).value
+    chunked = warmup_path(problem, start, 0.08, 4, total, star)
+    monkeypatch.setattr(warmup_path_module, "_CHUNK", total + 1)
+    whole = warmup_path(problem, start, 0.08, 4, total, star)
+    for f in fields(WarmupPath):
+        assert np.array_equal(getattr(chunked, f.name), getattr(whole, f.name)), f.name
+
+
+def test_chunked_frozen_stages_name_the_whole_stacks_limit(monkeypatch):
+    """An unstable local value problem is reported with the stability limit over the whole
+    stack (a chunk alone would name its own, larger limit)."""
+    problem = make_problem(**PROBLEM)
+    kernels = (np.random.default_rng(0).standard_normal((20, 3, 3))
+               * np.linspace(0.1, 3.0, 20)[:, None, None])
+    monkeypatch.setattr(warmup_path_module, "_CHUNK", 4)
+    with pytest.raises(ParameterError) as whole:
+        frozen_stages(problem, kernels, 0.05, 3)
+    with pytest.raises(ParameterError) as chunked:
+        warmup_path_module._frozen_stages(problem, kernels, 0.05, 3)
+    assert str(chunked.value) == str(whole.value)
+    messages = []
+    for i in range(0, 20, 4):
+        try:
+            frozen_stages(problem, kernels[i:i + 4], 0.05, 3)
+        except ParameterError as err:
+            messages.append(str(err))
+    assert len(messages) > 1 and messages[0] != str(whole.value)
 
 
 def test_objective_is_quadratic_in_the_kernel_and_curvature_bound_holds():
