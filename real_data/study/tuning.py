@@ -330,7 +330,8 @@ def schedule_gains(choices: dict, against: str = "fedavg") -> list[dict]:
     (decayed minus constant), and the arm's lead over ``against`` at a constant lr and with
     both tuned over every schedule. Scores are on the tuning seed's validation split, which
     chose the configurations; they say where a gain lies, the final runs test it.
-    Empty where the grid has no schedule axis."""
+    Empty where the grid has no schedule axis; an arm whose every candidate diverged (no finite
+    score) has no row."""
     sign = 1.0 if choices.get("metric", "val_acc").endswith("acc") else -1.0
 
     def top(pool):
@@ -377,9 +378,11 @@ def write_schedule_gains(choices: dict, folder: Path | str,
     from linattn.fileio import atomic_write_text
 
     rows = schedule_gains(choices, against)
-    if not rows:
-        return []
     folder = Path(folder)
+    if not rows:  # no schedule axis: no table, and none left from an earlier export
+        for name in ("schedule_gain.csv", "schedule_gain.md"):
+            (folder / name).unlink(missing_ok=True)
+        return []
     folder.mkdir(parents=True, exist_ok=True)
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
@@ -410,7 +413,8 @@ def write_schedule_gains(choices: dict, folder: Path | str,
              f"vs {against}, constant lr | vs {against}, any schedule |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['sweep']} | {r['alpha']} | {r['arm']} | {cfg(r, 'constant')} | "
+        alpha = "natural" if r["alpha"] is None else r["alpha"]
+        lines.append(f"| {r['sweep']} | {alpha} | {r['arm']} | {cfg(r, 'constant')} | "
                      f"{cfg(r, 'decay')} | {pts(r['decay_gain'])} | "
                      f"{pts(r['vs_against_constant'])} | {pts(r['vs_against_best'])} |")
     atomic_write_text(folder / "schedule_gain.md", "\n".join(lines) + "\n")

@@ -321,3 +321,7 @@ def test_schedule_gains_from_the_tuning_candidates(tmp_path):
     assert rows["fedavg"]["constant_score"] == 0.70
     assert rows["fedavg"]["decay_gain"] == pytest.approx(0.70 - 0.77, abs=1e-12)
     assert study.write_schedule_gains({"choices": []}, tmp_path / "none") == []
+    # an export without a schedule axis leaves no table from an earlier one behind
+    assert study.write_schedule_gains({"choices": []}, tmp_path) == []
+    assert not (tmp_path / "schedule_gain.md").exists()
+    assert not (tmp_path / "schedule_gain.csv").exists()
