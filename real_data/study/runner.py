@@ -24,17 +24,12 @@ from real_data.study.plan import Plan, RunSpec, plan_runs, run_config, run_overr
 FINAL = ("completed", "diverged")  # a diverged run is a result (its status says so), not redone
 
 
-def _run_rounds(spec: RunSpec) -> int:
-    """Rounds the run trains itself (a T0 branch only trains after its snapshot)."""
-    return int(run_config(spec, None).train.rounds)
-
-
-def _local_work(spec: RunSpec) -> float:
-    """A round's a-priori cost relative to one of K = 10 local steps: (1 + K) / 11 (the
-    server update, the evaluation and the bookkeeping cost about one local step's work; the
-    fair study measured a K = 40 run-round at about 3 to 6 times a K = 10 one on an H200). A run
-    that sets its local work in epochs counts 1."""
-    steps = run_config(spec, None).train.local_steps
+def _local_work(train) -> float:
+    """A round's a-priori cost relative to one of K = 10 local steps, for a run's ``train``
+    section: (1 + K) / 11 (the server update, the evaluation and the bookkeeping cost about one
+    local step's work; the fair study measured a K = 40 run-round at about 3 to 6 times a
+    K = 10 one on an H200). A run that sets its local work in epochs counts 1."""
+    steps = train.local_steps
     return 1.0 if steps is None else (1.0 + float(steps)) / 11.0
 
 
@@ -46,7 +41,8 @@ def group_cost(members: list[RunSpec], pace: dict | None = None,
     median times :func:`_local_work`); without ``pace`` one unit per
     round of K = 10 local steps, scaled by :func:`_local_work` (a reference round, one
     client, 0.3 of that). Members whose key is in ``skip`` (finished) cost nothing."""
-    rounds = _run_rounds(members[0])
+    train = run_config(members[0], None).train  # one config read for rounds and work
+    rounds = int(train.rounds)
     cost = (0 if members[0].key in skip else rounds) + sum(
         rounds - (m.warmup_rounds or 0) for m in members[1:] if m.key not in skip)
     head = members[0]
@@ -56,12 +52,12 @@ def group_cost(members: list[RunSpec], pace: dict | None = None,
             # ratio to its sweep's median in the other sweeps (FedSQ ~2.3x, SCAFFOLD ~1.6x);
             # a sweep not measured yet: the overall median scaled by its local work
             base = pace[head.sweep.name] if head.sweep.name in pace else \
-                pace["*"] * _local_work(head)
+                pace["*"] * _local_work(train)
             per_round = base * pace.get(("*", head.arm.name),
                                         0.3 if head.arm.reference else 1.0)
         return cost * per_round
     # one client: a fraction of a round
-    return cost * (0.3 if head.arm.reference else 1.0) * _local_work(head)
+    return cost * (0.3 if head.arm.reference else 1.0) * _local_work(train)
 
 
 def batch_cost(batch: list[list[RunSpec]], pace: dict | None = None,

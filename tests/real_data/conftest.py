@@ -263,6 +263,22 @@ def assert_rows_agree(alone, group, skip: tuple[str, ...] = (), rel: float = 1e-
     assert not bad, (alone, list(bad.items())[:5])
 
 
+def assert_group_equals_alone(tmp_path, cfgs: dict, skip: dict | None = None) -> None:
+    """Each config of ``cfgs`` (name -> Config) run alone and all of them as one stacked group
+    (:func:`real_data.stacked_runs.run_group`): every run's metrics.csv rows agree within
+    :func:`assert_rows_agree`'s tolerance; ``skip`` maps a run's name to metrics left out."""
+    from real_data.runs import load_data, start_run
+    from real_data.stacked_runs import RunRequest, run_group
+
+    for name, cfg in cfgs.items():
+        start_run(cfg, out=tmp_path / "alone" / name)
+    run_group([RunRequest(tmp_path / "group" / n, c) for n, c in cfgs.items()],
+              dataset=load_data(next(iter(cfgs.values()))), log=lambda s: None)
+    for name in cfgs:
+        assert_rows_agree(tmp_path / "alone" / name / "metrics.csv",
+                          tmp_path / "group" / name / "metrics.csv", (skip or {}).get(name, ()))
+
+
 def assert_run_refused(tmp_path, capsys, args: list[str], text: str) -> None:
     """``linattn run --config digits_vit ARGS`` exits 2, says ``text`` on stderr and writes
     nothing under its ``run.out_dir``."""

@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import (
     KEY_BIAS_METRICS,
-    assert_rows_agree,
+    assert_group_equals_alone,
     federation,
     max_abs_error,
     plain_loop,
@@ -29,8 +29,6 @@ from conftest import (
 )
 
 from real_data.models.groups import names_of_kind
-from real_data.runs import load_data, start_run
-from real_data.stacked_runs import RunRequest, run_group
 
 ROUNDS, T0 = 4, 2
 
@@ -115,14 +113,7 @@ def test_stacked_group_equals_runs_alone(tmp_path):
                                        "seed=1"),
         "fedavg": tiny_config(*base, "algorithm.name=fedavg", "seed=2"),
     }
-    for name, cfg in cfgs.items():
-        start_run(cfg, out=tmp_path / "alone" / name)
-    run_group([RunRequest(tmp_path / "group" / n, c) for n, c in cfgs.items()],
-              dataset=load_data(cfgs["fedavg"]), log=lambda s: None)
-    for name in cfgs:
-        assert_rows_agree(tmp_path / "alone" / name / "metrics.csv",
-                          tmp_path / "group" / name / "metrics.csv",
-                          KEY_BIAS_METRICS if name == "frozen_prox" else ())
+    assert_group_equals_alone(tmp_path, cfgs, {"frozen_prox": KEY_BIAS_METRICS})
 
 
 @pytest.mark.parametrize("override, key", [

@@ -8,14 +8,19 @@ import signal
 
 import pytest
 import torch
-from conftest import TINY, assert_rows_agree, assert_run_refused, metric_rows, tiny_config
+from conftest import (
+    TINY,
+    assert_group_equals_alone,
+    assert_run_refused,
+    metric_rows,
+    tiny_config,
+)
 from pause_run import start as start_paused
 from pause_run import wait_paused
 
 from linattn.cli import main as linattn_main
 from real_data.models.layers import attention_scores
 from real_data.runs import load_data, prepare_start, start_run
-from real_data.stacked_runs import RunRequest, run_group
 
 RULES = ["perturbation", "norm_change", "norm_change_median", "kernel_stability", "plateau",
          "fraction=0.5"]
@@ -89,14 +94,7 @@ def test_killed_rule_run_resumes_to_identical_metrics(tmp_path):
 def test_stacked_rule_runs_equal_runs_alone(tmp_path):
     cfgs = {r: tiny_config(*BASE, f"algorithm.warmup={r}", "train.rounds=10")
             for r in ("perturbation", "plateau", "kernel_stability")}
-    for name, cfg in cfgs.items():
-        start_run(cfg, out=tmp_path / "alone" / name)
-    dataset = load_data(next(iter(cfgs.values())))
-    run_group([RunRequest(tmp_path / "group" / n, c) for n, c in cfgs.items()],
-              dataset=dataset, log=lambda s: None)
-    for name in cfgs:
-        assert_rows_agree(tmp_path / "alone" / name / "metrics.csv",
-                          tmp_path / "group" / name / "metrics.csv")
+    assert_group_equals_alone(tmp_path, cfgs)
 
 
 def test_attention_scores_order_keys_like_the_attention(tmp_path):

@@ -18,7 +18,15 @@ import sys
 
 import pytest
 import torch
-from conftest import KEY_BIAS_METRICS, REPO, TINY, assert_rows_agree, metric_rows, tiny_config
+from conftest import (
+    KEY_BIAS_METRICS,
+    REPO,
+    TINY,
+    assert_group_equals_alone,
+    assert_rows_agree,
+    metric_rows,
+    tiny_config,
+)
 from pause_run import wait_paused
 
 from real_data.runs import load_data, make_partition_for, prepare_start, start_run
@@ -163,14 +171,7 @@ def test_stacked_adam_scaffold_and_fedprox_equal_runs_alone(tmp_path):
                                ("fedprox", ["algorithm.name=fedprox", "algorithm.mu=0.5",
                                             "seed=1"]),
                                ("fedavg", ["algorithm.name=fedavg", "seed=2"])]}
-    for name, cfg in cfgs.items():
-        start_run(cfg, out=tmp_path / "alone" / name)
-    run_group([RunRequest(tmp_path / "group" / n, c) for n, c in cfgs.items()],
-              dataset=load_data(cfgs["fedavg"]), log=lambda s: None)
-    for name in cfgs:
-        assert_rows_agree(tmp_path / "alone" / name / "metrics.csv",
-                          tmp_path / "group" / name / "metrics.csv",
-                          KEY_BIAS_METRICS if name == "fedprox" else ())
+    assert_group_equals_alone(tmp_path, cfgs, {"fedprox": KEY_BIAS_METRICS})
     _same_but_key_bias(tmp_path / "alone" / "fedprox", tmp_path / "group" / "fedprox")
 
 

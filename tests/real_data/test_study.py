@@ -463,7 +463,7 @@ def test_a_stacked_batch_costs_every_family_it_holds(tmp_path):
     from real_data.study import runner
 
     assert [[s.warmup_rounds for s in f] for f in batch] == [[2, 0], [2, 0]]
-    work = runner._local_work(batch[0][0])  # the config's K = 5: (1 + 5) / 11 a round
+    work = runner._local_work(study.run_config(batch[0][0], None).train)  # K = 5: 6 / 11
     assert study.batch_cost(batch) == pytest.approx(2 * (3 + 3) * work)
     assert study._group_cost([m for f in batch for m in f]) == pytest.approx((3 + 3 + 1 + 3)
                                                                              * work)
