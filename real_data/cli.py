@@ -371,7 +371,8 @@ def _study(argv: list[str]) -> int:
                 paths = study.write_tables(rows, folder, runs)
                 paths += study.write_t0_choice(runs, folder)  # runs with a validation split
                 if stage == "final":
-                    paths += study.write_comparison(runs, folder)
+                    paths += study.write_comparison(runs, folder,
+                                                     bases=study.base_arms(plan))
                     if folder != plan.out_dir / "tables":  # the choices the final runs use
                         dest = study.export_choices(full, folder, choices)
                         paths.append(dest)

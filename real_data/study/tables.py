@@ -315,10 +315,44 @@ def write_tables(rows: list[dict], out_dir: Path, runs: list[dict] | None = None
     return paths
 
 
+def base_arms(plan: Plan) -> dict[tuple[str, str], str]:
+    """(sweep, arm) -> the arm of the same sweep that trains the algorithm this arm builds on:
+    an arm with ``algorithm.base=NAME`` (FedFrozen on SCAFFOLD) against the sweep's arm whose
+    ``algorithm.name`` is NAME and that has no T0 grid. Arms without such a partner are absent."""
+    def value(arm: Arm, key: str) -> str | None:
+        vals = [o.split("=", 1)[1] for o in arm.overrides if o.split("=", 1)[0] == key]
+        return vals[-1] if vals else None
+
+    out = {}
+    for sweep in plan.sweeps:
+        for arm in sweep.arms:
+            base = value(arm, "algorithm.base")
+            partner = [a.name for a in sweep.arms if not a.warmup_rounds
+                       and value(a, "algorithm.name") == base and value(a, "algorithm.base")
+                       is None] if base else []
+            if partner:
+                out[(sweep.name, arm.name)] = partner[0]
+    return out
+
+
+def compare_with_bases(runs: list[dict], bases: dict[tuple[str, str], str],
+                       metric: str = "score", margin: float = 0.01) -> list[dict]:
+    """:func:`compare` of each arm in ``bases`` with its base arm (:func:`base_arms`): what
+    the arm adds on top of the algorithm it builds on, paired by seed."""
+    out = []
+    for against in sorted(set(bases.values())):
+        out += [r for r in compare(runs, against, metric, margin)
+                if bases.get((r["sweep"], r["arm"])) == against]
+    return out
+
+
 def write_comparison(runs: list[dict], out_dir: Path, against: str = "fedavg",
-                     margin: float = 0.01) -> list[Path]:
+                     margin: float = 0.01,
+                     bases: dict[tuple[str, str], str] | None = None) -> list[Path]:
     """``comparison.{csv,md}``: :func:`compare` of every arm with ``against`` on the score
-    (mean test accuracy of the last 5 evaluations), paired by seed."""
+    (mean test accuracy of the last 5 evaluations), paired by seed; with ``bases``
+    (:func:`base_arms`) the markdown adds each such arm against its base arm alone, and
+    ``comparison_bases.csv`` holds those rows."""
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = sorted(compare(runs, against, "score", margin), key=row_order)
     paths = [out_dir / "comparison.csv", out_dir / "comparison.md"]
@@ -332,19 +366,39 @@ def write_comparison(runs: list[dict], out_dir: Path, against: str = "fedavg",
     def pts(v):
         return "" if v is None else f"{100 * v:+.2f}"
 
+    def table(rows: list[dict], label: str) -> list[str]:
+        lines = ["| sweep | alpha | arm | T0 | n | diff (pts) | 95% CI | TOST p | verdict | "
+                 f"diverged (arm / {label}) |", "|" + "---|" * 10]
+        for r in rows:
+            ci = "" if r["ci_low"] is None else f"[{pts(r['ci_low'])}, {pts(r['ci_high'])}]"
+            tost = "" if r["tost_p"] is None else f"{r['tost_p']:.3f}"
+            alpha = r["alpha"] if r["alpha"] is not None else "natural"
+            t0 = "" if r["warmup_rounds"] is None else r["warmup_rounds"]
+            lines.append(f"| {r['sweep']} | {alpha} | {r['arm']} | {t0} | {r['n']} | "
+                         f"{pts(r['diff_mean'])} | {ci} | {tost} | {r['verdict']} | "
+                         f"{r['diverged']} / {r['against_diverged']} |")
+        return lines
+
     lines = [f"Score: mean test accuracy of the last {SCORE_LAST} evaluations. Difference to "
              f"{against} in points, paired by seed, 95% t interval; tie = equivalent within "
              f"+-{100 * margin:g} point by two one-sided tests at 5%.", "",
-             "| sweep | alpha | arm | T0 | n | diff (pts) | 95% CI | TOST p | verdict | "
-             "diverged (arm / FedAvg) |",
-             "|" + "---|" * 10]
-    for r in rows:
-        ci = "" if r["ci_low"] is None else f"[{pts(r['ci_low'])}, {pts(r['ci_high'])}]"
-        tost = "" if r["tost_p"] is None else f"{r['tost_p']:.3f}"
-        lines.append(f"| {r['sweep']} | {r['alpha'] if r['alpha'] is not None else 'natural'} "
-                     f"| {r['arm']} | {'' if r['warmup_rounds'] is None else r['warmup_rounds']}"
-                     f" | {r['n']} | {pts(r['diff_mean'])} | {ci} | {tost} | {r['verdict']} | "
-                     f"{r['diverged']} / {r['against_diverged']} |")
+             *table(rows, against)]
+    extra = sorted(compare_with_bases(runs, bases, "score", margin), key=row_order) \
+        if bases else []
+    if extra:
+        lines += ["", "Each arm that builds on another algorithm against that algorithm's arm "
+                  "alone (the same score and tests)."]
+        for base in sorted({r["against"] for r in extra}):
+            lines += ["", f"Against {base}:", "",
+                      *table([r for r in extra if r["against"] == base], base)]
+        text = io.StringIO()
+        w = csv.DictWriter(text, fieldnames=list(extra[0]))
+        w.writeheader()
+        w.writerows(extra)
+        paths.append(out_dir / "comparison_bases.csv")
+        atomic_write_text(paths[-1], text.getvalue())
+    else:  # an earlier export's rows no longer hold
+        (out_dir / "comparison_bases.csv").unlink(missing_ok=True)
     atomic_write_text(paths[1], "\n".join(lines) + "\n")
     return paths
 

@@ -143,6 +143,37 @@ def test_compare_intervals_tost_and_verdicts():
     assert one["verdict"] == "inconclusive" and one["ci_low"] is None
 
 
+def test_an_arm_on_a_base_algorithm_is_compared_with_that_arm(tmp_path):
+    from real_data.study.plan import Arm, Plan, Sweep
+    arms = (Arm("fedavg", ("algorithm.name=fedavg",)),
+            Arm("scaffold", ("algorithm.name=scaffold",)),
+            Arm("frozen_on_scaffold", ("algorithm.name=fedfrozen", "algorithm.base=scaffold"),
+                warmup_rounds=(5, 10)),
+            Arm("frozen_on_fedprox", ("algorithm.name=fedfrozen", "algorithm.base=fedprox"),
+                warmup_rounds=(5,)))  # no FedProx arm in the sweep: no partner
+    plan = Plan("p", tmp_path, (Sweep("s", "c", (), (0.1,), arms, (0, 1, 2)),))
+    assert study.base_arms(plan) == {("s", "frozen_on_scaffold"): "scaffold"}
+    rows = []
+    for seed, (avg, scaf, frozen) in enumerate([(0.80, 0.83, 0.84), (0.81, 0.82, 0.825),
+                                                (0.79, 0.84, 0.85)]):
+        for arm, score, t0 in (("fedavg", avg, None), ("scaffold", scaf, None),
+                               ("frozen_on_scaffold", frozen, 10)):
+            rows.append({"sweep": "s", "arm": arm, "warmup_rounds": t0, "alpha": 0.1,
+                         "seed": seed, "score": score})
+    (r,) = study.compare_with_bases(rows, study.base_arms(plan))
+    assert r["against"] == "scaffold" and r["arm"] == "frozen_on_scaffold"
+    assert r["diff_mean"] == pytest.approx((0.01 + 0.005 + 0.01) / 3, abs=1e-12)
+    paths = study.write_comparison(rows, tmp_path, bases=study.base_arms(plan))
+    text = (tmp_path / "comparison.md").read_text()
+    assert "Against scaffold:" in text and "diverged (arm / scaffold)" in text
+    assert "| s | 0.1 | frozen_on_scaffold | 10 | 3 | +0.83 |" in text
+    assert tmp_path / "comparison_bases.csv" in paths
+    # without bases: the FedAvg table alone, and the earlier base comparison removed
+    study.write_comparison(rows, tmp_path)
+    assert "Against" not in (tmp_path / "comparison.md").read_text()
+    assert not (tmp_path / "comparison_bases.csv").exists()
+
+
 @pytest.mark.parametrize("mutate,key", [
     (lambda d: d["sweeps"][0].update(grid={"train.lr": []}), "grid.train.lr"),
     (lambda d: d["sweeps"][0].update(grid=[0.1]), "grid"),
