@@ -397,7 +397,7 @@ def write_comparison(runs: list[dict], out_dir: Path, against: str = "fedavg",
         w.writerows(extra)
         paths.append(out_dir / "comparison_bases.csv")
         atomic_write_text(paths[-1], text.getvalue())
-    else:  # an earlier export's rows no longer hold
+    else:  # a folder's base comparison matches its comparison.md
         (out_dir / "comparison_bases.csv").unlink(missing_ok=True)
     atomic_write_text(paths[1], "\n".join(lines) + "\n")
     return paths
