@@ -400,9 +400,13 @@ def _budget_options(ap, prefix: str, lead: str, whose: str) -> None:
                     help=f"{lead}minibatch steps N of Phi's budget (default 4000; the check "
                     "trains to 2N)")
     ap.add_argument(f"{prefix}lr", type=float, default=None,
-                    help=f"{lead}Phi's constant step size (default: {whose} train.lr)")
+                    help=f"{lead}Phi's step size (default: {whose} train.lr)")
     ap.add_argument(f"{prefix}batch-size", type=int, default=None,
                     help=f"{lead}Phi's batch size (default: {whose} train.batch_size)")
+    ap.add_argument(f"{prefix}schedule", default="constant",
+                    help=f"{lead}Phi's step size over the budget: constant, or cosine (from "
+                    "the step size to 0 over N steps; the check trains 2N steps of its own); "
+                    "default constant")
 
 
 def _budget(args, prefix: str, seed: int | None = None):
@@ -411,7 +415,8 @@ def _budget(args, prefix: str, seed: int | None = None):
 
     steps = getattr(args, f"{prefix}steps")
     return Budget(DEFAULT_STEPS if steps is None else steps, getattr(args, f"{prefix}lr"),
-                  getattr(args, f"{prefix}batch_size"), seed)
+                  getattr(args, f"{prefix}batch_size"), seed,
+                  schedule=getattr(args, f"{prefix}schedule"))
 
 
 def _profile(argv: list[str]) -> int:

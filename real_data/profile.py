@@ -14,8 +14,12 @@ Phi depends on M alone, for a given run config:
   the algorithm's own initialization), whatever the snapshot holding M carries for them;
 - the budget is fixed (:class:`Budget`): ``steps`` minibatch steps of ``batch_size`` samples
   (default: the run's ``train.batch_size``) with the run's optimizer (``train.optimizer``,
-  ``train.momentum``, ``train.weight_decay``, ``train.clip_grad_norm``) at a constant step
-  size (default: the run's ``train.lr``; a learning-rate schedule is not applied);
+  ``train.momentum``, ``train.weight_decay``, ``train.clip_grad_norm``) at the step size
+  ``lr`` (default: the run's ``train.lr``; the run's own learning-rate schedule is not
+  applied), either constant or (``schedule="cosine"``) decayed as
+  ``lr * (1 + cos(pi * t / steps)) / 2`` at step t = 0 .. steps - 1, so the budget ends at a
+  step size near 0 and Phi approaches the minimum over the other parameters instead of
+  stopping at the noise level of a constant step;
 - the minibatches are fixed too: passes over the pooled training samples, each a permutation
   drawn from ``numpy.random.default_rng([seed, PROFILE_STREAM])`` (``seed``: the run's
   training seed unless the budget names one) and cut into full batches, the tail of a pass
@@ -29,9 +33,11 @@ rules of :mod:`real_data.engines.optim`); a kernel's Phi does not depend on the 
 stack, up to floating-point round-off. The model is the plain network: an algorithm's own
 forward (FedTP's hypernetwork, FedSQ's structure) is not used.
 
-**Convergence check.** The same training continued to ``2 * steps`` (the step-``steps`` state
-is a prefix of the doubled budget's, so the doubled run costs ``steps`` more steps) gives
-Phi at twice the budget; ``relative_change = |Phi(2N) - Phi(N)| / |Phi(N)|`` is reported with
+**Convergence check.** Phi at twice the budget: at a constant step size the same training
+continued to ``2 * steps`` (the step-``steps`` state is a prefix of the doubled budget's, so the
+doubled run costs ``steps`` more steps); under the cosine schedule a second training of
+``2 * steps`` steps with the cosine stretched over them (the same minibatches first), so the
+check costs ``2 * steps`` more; ``relative_change = |Phi(2N) - Phi(N)| / |Phi(N)|`` is reported with
 ``converged = relative_change < 0.01`` (THEORY.md asks for < 1%). A kernel whose check fails
 is reported as such, never dropped.
 
@@ -55,6 +61,7 @@ from linattn.errors import ConfigError, UserError
 PROFILE_STREAM = 20231  # the minibatch stream's second seed word (apart from training's)
 TOLERANCE = 0.01  # the doubled-budget check: relative change of Phi below 1%
 DEFAULT_STEPS = 4000
+SCHEDULES = ("constant", "cosine")
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,9 @@ class Budget:
         Seed of the minibatch order and dropout; ``None``: the run's training seed.
     check : bool
         Also train to ``2 * steps`` and report the relative change (the convergence check).
+    schedule : {"constant", "cosine"}
+        The step size over the budget: constant, or a cosine from ``lr`` to 0 over ``steps``
+        (the module docstring).
     """
 
     steps: int = DEFAULT_STEPS
@@ -80,6 +90,7 @@ class Budget:
     batch_size: int | None = None
     seed: int | None = None
     check: bool = True
+    schedule: str = "constant"
 
     def __post_init__(self) -> None:
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
@@ -90,6 +101,15 @@ class Budget:
         if self.batch_size is not None and self.batch_size < 1:
             raise ConfigError(f"--batch-size (--profile-batch-size) {self.batch_size}: must "
                               "be >= 1")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"--schedule (--profile-schedule) {self.schedule!r}: must be one "
+                              f"of {', '.join(SCHEDULES)}")
+
+    def step_size(self, lr: float, step: int, horizon: int) -> float:
+        """The step size of step ``step`` (0-based) of a training of ``horizon`` steps."""
+        if self.schedule == "constant":
+            return lr
+        return lr * 0.5 * (1.0 + float(np.cos(np.pi * step / horizon)))
 
     def tag(self) -> str:
         """A file-name part that names the budget (the profile cache's key)."""
@@ -100,6 +120,8 @@ class Budget:
             parts.append(f"bs{self.batch_size}")
         if self.seed is not None:
             parts.append(f"seed{self.seed}")
+        if self.schedule != "constant":
+            parts.append(self.schedule)
         return "_".join(parts)
 
 
@@ -246,49 +268,64 @@ def _profile_many(setup: ProfileSetup, kernels: list[tuple[str, object]], budget
     c = len(kernels)
     device, dtype = fed.device, next(iter(setup.init.values())).dtype
     qk = {n: torch.stack([k[n].to(device, dtype) for k, _ in loaded]) for n in setup.qk_names}
-    train = {n: p.to(device).unsqueeze(0).repeat(c, *([1] * p.dim()))
-             for n, p in setup.init.items() if n not in frozen}
-
     def objective(own, kernel, xb, yb):
         return task_loss(functional_call(model, {**own, **kernel}, (xb,)), yb)
 
     step_grads = vmap(grad(objective), in_dims=(0, 0, None, None), randomness="same")
-    state = optim.init_state(spec, train)
     total = budget.steps * (2 if budget.check else 1)
     order = batch_order(len(setup.pooled), bs, total, seed)
     index = torch.as_tensor(setup.pooled[order], device=device)
     dropout = float(getattr(cfg.model.params, "dropout", 0.0)) > 0
     x, y = fed.x_train, fed.y_train
-    reads: list[list[tuple[float, float]]] = []
-    start = time.perf_counter()
     devices = [device] if device.type == "cuda" else []
-    count = torch.zeros(c, dtype=torch.int64, device=device)
-    try:
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed)
-            model.train(dropout)
-            for step in range(total):
-                ix = index[step]
-                grads = step_grads(train, qk, x[ix], y[ix])
-                if spec.clip_grad_norm is not None:
-                    optim.clip_(grads, optim.grad_norms(grads), spec.clip_grad_norm)
-                count += 1
-                train = optim.step(spec, train, grads, state, count)
-                if step + 1 in (budget.steps, 2 * budget.steps):
-                    model.eval()
-                    reads.append(_evaluate_each(model, train, qk, fed, cfg, evaluate,
-                                                functional_call))
-                    if not any(np.isfinite(v) for v, _ in reads[-1]):
-                        break
-                    model.train(dropout)
-    finally:
-        model.eval()
+
+    def train_and_read(horizon: int, read_at: tuple[int, ...]) -> list[list[tuple]]:
+        """Train every kernel's other parameters from the start for ``max(read_at)`` steps
+        (the schedule spread over ``horizon``) and evaluate at each step in ``read_at``."""
+        own = {n: p.to(device).unsqueeze(0).repeat(c, *([1] * p.dim()))
+               for n, p in setup.init.items() if n not in frozen}
+        state = optim.init_state(spec, own)
+        count = torch.zeros(c, dtype=torch.int64, device=device)
+        out: list[list[tuple]] = []
+        try:
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(seed)
+                model.train(dropout)
+                for step in range(max(read_at)):
+                    ix = index[step]
+                    grads = step_grads(own, qk, x[ix], y[ix])
+                    if spec.clip_grad_norm is not None:
+                        optim.clip_(grads, optim.grad_norms(grads), spec.clip_grad_norm)
+                    count += 1
+                    step_spec = spec if budget.schedule == "constant" else \
+                        dataclasses.replace(spec, lr=budget.step_size(lr, step, horizon))
+                    own = optim.step(step_spec, own, grads, state, count)
+                    if step + 1 in read_at:
+                        model.eval()
+                        out.append(_evaluate_each(model, own, qk, fed, cfg, evaluate,
+                                                  functional_call))
+                        if not any(np.isfinite(v) for v, _ in out[-1]):
+                            break
+                        model.train(dropout)
+        finally:
+            model.eval()
+        return out
+
+    start = time.perf_counter()
+    n = budget.steps
+    if budget.schedule == "constant":  # the doubled budget continues the same training
+        reads = train_and_read(2 * n, (n, 2 * n) if budget.check else (n,))
+    else:  # a decayed budget ends where it is read: the check is a training of its own
+        reads = train_and_read(n, (n,))
+        if budget.check and any(np.isfinite(v) for v, _ in reads[0]):
+            reads += train_and_read(2 * n, (2 * n,))
     seconds = (time.perf_counter() - start) / c
     out = []
     for i, ((label, src), (_, rnd)) in enumerate(zip(kernels, loaded, strict=True)):
         rec = {"kernel": label or (str(src) if not isinstance(src, dict) else ""),
                "kernel_round": rnd, "phi": reads[0][i][0], "val_acc": reads[0][i][1],
-               "steps": budget.steps, "lr": lr, "batch_size": bs, "optimizer": t.optimizer,
+               "steps": budget.steps, "lr": lr, "schedule": budget.schedule,
+               "batch_size": bs, "optimizer": t.optimizer,
                "momentum": t.momentum, "weight_decay": t.weight_decay,
                "clip_grad_norm": t.clip_grad_norm, "seed": seed,
                "train_samples": int(len(setup.pooled)), "val_samples": int(len(fed.y_val)),

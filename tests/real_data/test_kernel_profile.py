@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import yaml
 
 from linattn.cli import main as linattn_main
+from linattn.errors import ConfigError
 from real_data import study
 from real_data.profile import PROFILE_STREAM, Budget, kernel_profile, run_setup
 
@@ -37,9 +38,12 @@ def run_dir(tmp_path_factory):
     return out
 
 
-def plain_phi(run_dir, snapshot, steps: int) -> tuple[float, float]:
+def plain_phi(run_dir, snapshot, steps: int, cosine: bool = False) -> tuple[float, float]:
     """Phi by hand: the run's initial model, Q/K from the snapshot and frozen, torch's SGD on
-    the pooled training samples in the documented order, the validation loss at the end."""
+    the pooled training samples in the documented order (``cosine``: step t at
+    lr (1 + cos(pi t / steps)) / 2), the validation loss at the end."""
+    import math
+
     from linattn.configio import load_yaml
     from real_data.config import config_from_dict
     from real_data.data import load_partition
@@ -68,7 +72,9 @@ def plain_phi(run_dir, snapshot, steps: int) -> tuple[float, float]:
         whole = len(pooled) // t.batch_size
         batches += list(perm[: whole * t.batch_size].reshape(whole, t.batch_size))
     x, y = data.x_train.float(), data.y_train
-    for b in batches[:steps]:
+    for step, b in enumerate(batches[:steps]):
+        if cosine:
+            opt.param_groups[0]["lr"] = t.lr * 0.5 * (1 + math.cos(math.pi * step / steps))
         ix = torch.as_tensor(pooled[b])
         loss = F.cross_entropy(model(x[ix]), y[ix])
         opt.zero_grad()
@@ -90,6 +96,26 @@ def test_phi_equals_a_plain_loop(run_dir):
     assert res["val_acc"] == pytest.approx(acc, abs=1e-12)
     assert res["steps"] == STEPS and res["lr"] == 0.2 and res["batch_size"] == 8
     assert res["phi_doubled"] is None and res["converged"] is None
+
+
+def test_a_cosine_budget_equals_a_plain_loop_and_checks_with_a_training_of_its_own(run_dir):
+    setup = run_setup(run_dir)
+    snap = run_dir / "checkpoints" / "round_3.pt"
+    res = setup.phi(snap, Budget(STEPS, schedule="cosine"))
+    phi, acc = plain_phi(run_dir, snap, STEPS, cosine=True)
+    assert res["phi"] == pytest.approx(phi, rel=1e-5)  # fp32 on the CPU: round-off
+    assert res["val_acc"] == pytest.approx(acc, abs=1e-12)
+    assert res["schedule"] == "cosine"
+    # the check is a cosine over 2N steps from the start, not the N-step run continued
+    phi2, _ = plain_phi(run_dir, snap, 2 * STEPS, cosine=True)
+    assert res["phi_doubled"] == pytest.approx(phi2, rel=1e-5)
+    alone = setup.phi(snap, Budget(2 * STEPS, check=False, schedule="cosine"))
+    assert res["phi_doubled"] == pytest.approx(alone["phi"], rel=1e-12)
+    constant = setup.phi(snap, Budget(STEPS, check=False))
+    assert abs(constant["phi"] - res["phi"]) > 1e-4  # the schedule changes the training
+    assert Budget(STEPS, schedule="cosine").tag() == f"steps{STEPS}_cosine"
+    with pytest.raises(ConfigError, match="--schedule"):
+        Budget(STEPS, schedule="linear")
 
 
 def test_phi_depends_on_the_kernel_alone(run_dir, tmp_path):
@@ -277,6 +303,8 @@ def test_bad_inputs_exit_2_and_write_nothing(run_dir, tmp_path, capsys):
     assert code == 2 and "round_2.pt" in err and not out.exists()
     code, err = cli("--rounds", "0", "--steps", "0")
     assert code == 2 and "--steps" in err and not out.exists()
+    code, err = cli("--rounds", "0", "--schedule", "linear")
+    assert code == 2 and "--schedule" in err and not out.exists()
     code, err = cli("--kernel", str(tmp_path / "none.pt"))
     assert code == 2 and "none.pt" in err and not out.exists()
     bare = tmp_path / "bare.pt"  # a file without the model's Q/K
