@@ -406,8 +406,9 @@ def write_schedule_gains(choices: dict, folder: Path | str,
              f"last {choices.get('last')} evaluations), best over the grid; differences in "
              f"{unit}. decay gain: the best decayed schedule against the best constant lr; "
              f"vs {against}: the arm's best against {against}'s best, at a constant lr and "
-             "with every schedule (a freezing arm's best includes never freezing, T0 = T). "
-             "These scores made the choices; the final runs' paired comparison tests them.",
+             "with every schedule (a freezing arm's best includes never freezing where its "
+             "T0 grid holds T). These scores made the choices; the final runs' paired "
+             "comparison tests them.",
              "",
              "| sweep | alpha | arm | best constant lr | best decayed | decay gain | "
              f"vs {against}, constant lr | vs {against}, any schedule |",
