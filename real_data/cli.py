@@ -316,9 +316,9 @@ def _study(argv: list[str]) -> int:
             slices = args.slice
             # with --slice, only the selected arms need their tuning finished (or chosen)
             partial = bool(args.slice)
-            try:
-                plan = study.final_plan(full, choices, write=not args.list and choices is None,
-                                        partial=partial)
+            try:  # the table is written once the selection is known to be valid
+                table = choices if choices is not None else study.choose(full, False, partial)
+                plan = study.final_plan(full, table, write=False, partial=partial)
             except UserError as exc:  # tuning unfinished: nothing to choose from yet
                 if args.stage == "final":
                     raise
@@ -341,6 +341,8 @@ def _study(argv: list[str]) -> int:
                       "configuration (tuning unfinished, absent from --choices, or a T0 "
                       "not chosen); skipped")
             slices = selecting if partial else args.slice
+            if choices is None and not args.list:
+                study.write_choices(full, table)
             print("study: chosen configurations in "
                   f"{args.choices or full.out_dir / study.CHOICES_FILE}")
         else:
@@ -374,7 +376,7 @@ def _study(argv: list[str]) -> int:
                     paths += study.write_comparison(runs, folder,
                                                      bases=study.base_arms(plan))
                     if folder != plan.out_dir / "tables":  # the choices the final runs use
-                        dest = study.export_choices(full, folder, choices)
+                        dest = study.export_choices(full, folder, table)
                         paths.append(dest)
                         # what a decay and what freezing gain on validation, by the candidates
                         paths += study.write_schedule_gains(json.loads(dest.read_text()),

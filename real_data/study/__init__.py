@@ -120,6 +120,7 @@ from real_data.study.tuning import (
     load_choices,
     schedule_gains,
     tuning_plan,
+    write_choices,
     write_schedule_gains,
 )
 
@@ -153,6 +154,7 @@ __all__ = [
     "load_choices",
     "grid_points",
     "tuning_plan",
+    "write_choices",
     "write_comparison",
     "Arm",
     "Plan",

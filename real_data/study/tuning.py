@@ -185,8 +185,15 @@ def choose(plan: Plan, write: bool = True, partial: bool = False) -> dict:
                           f"not final, e.g. {missing[0]}; run `linattn study --plan ... "
                           "--stage tune` first")
     if write:
-        atomic_write_json(inside(plan.out_dir, CHOICES_FILE), _plain(out), indent=1)
+        write_choices(plan, out)
     return out
+
+
+def write_choices(plan: Plan, choices: dict) -> Path:
+    """``<out_dir>/choices.json``: the table :func:`choose` returns."""
+    dest = inside(plan.out_dir, CHOICES_FILE)
+    atomic_write_json(dest, _plain(choices), indent=1)
+    return dest
 
 
 def _plain(value):

@@ -248,6 +248,7 @@ def test_final_stage_of_a_slice_and_from_a_choices_file(tmp_path):
     res = run_cli("study", "--plan", str(path), "--out", str(out), "--stage", "final",
                   "--slice", "digits/frozen*")
     assert res.returncode == 2 and "no final run of plan tuned is selected" in res.stderr
+    assert not (out / study.CHOICES_FILE).exists()  # nothing written on exit 2
     # a typo among the patterns: exit 2 naming it, nothing run
     res = run_cli("study", "--plan", str(path), "--out", str(out), "--stage", "final",
                   "--slice", "digits/fedavg/*/seed=0", "--slice", "digits/fedvag/*")
