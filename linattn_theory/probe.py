@@ -60,7 +60,7 @@ import numpy as np
 
 from linattn_theory.errors import require
 
-__all__ = ["extrapolate", "smoothed", "ProbeSelector", "ProbeChoice"]
+__all__ = ["extrapolate", "probe_length", "smoothed", "ProbeSelector", "ProbeChoice"]
 
 _RATES = np.concatenate([np.linspace(0.0, 0.9, 46), 1.0 - np.geomspace(0.1, 1e-3, 40)])
 
@@ -157,6 +157,41 @@ def extrapolate(curves, horizons, max_rate: float = 1.0, lower_bound: float | No
     seen = h < y.shape[1]
     model[seen] = y[seen, h[seen]]
     return model, floor, q
+
+
+def probe_length(losses, horizon: int, max_rounds: int, bend: float = 0.5,
+                 max_rate: float = 1.0, lower_bound: float | None = 0.0) -> int:
+    """The frozen rounds a probe needs: its own length r once its curve bends, else a longer one.
+
+    A probe identifies its floor once it spans a half-life of its own fitted curve,
+    q^r <= ``bend`` (1/2: the reach guard of :func:`extrapolate` is then inactive); until
+    then the prediction is the guard's conservative one, which misses the slow part of the
+    frozen stage's decay. Returns r when the curve bends, when r reaches ``max_rounds`` or the
+    horizon (the fork's remaining rounds, then read off the curve), else min(2 r, max_rounds,
+    horizon): the probe continues from its last round, so a doubling costs r more rounds.
+
+    Parameters
+    ----------
+    losses : array (r+1,)
+        The probe's curve so far, r >= 2.
+    horizon : int
+        T - t_j.
+    max_rounds : int
+        The longest probe.
+    bend : float
+        The fraction q^r of the fitted drop still to come below which the curve counts as
+        bent (0 < bend < 1).
+    max_rate, lower_bound : float
+        As in :func:`extrapolate`.
+    """
+    y = np.asarray(losses, dtype=np.float64)
+    require(0.0 < bend < 1.0, "bend", bend, "a fraction in (0, 1)")
+    r = y.size - 1
+    limit = min(int(max_rounds), max(int(horizon), 0))
+    if r >= limit:
+        return r
+    _, _, q = extrapolate(y, horizon, max_rate, lower_bound, reach=None)
+    return r if q**r <= bend else min(2 * r, limit)
 
 
 def smoothed(predictions, end_rule: bool = True) -> np.ndarray:
@@ -264,7 +299,9 @@ class ProbeSelector:
         self.snapshots.append(int(round_index))
         self.curves.append(np.asarray(losses, dtype=np.float64))
         self.probe_rounds_used += len(losses) - 1
-        recent = np.stack(self.curves[-self.window:])
+        # probes of different lengths share their rate on the common rounds
+        shortest = min(len(c) for c in self.curves[-self.window:])
+        recent = np.stack([c[:shortest] for c in self.curves[-self.window:]])
         horizons = self.total_rounds - np.asarray(self.snapshots[-self.window:])
         preds, _, q = extrapolate(recent, horizons, self.max_rate, self.lower_bound,
                                   self.reach)

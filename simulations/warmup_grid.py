@@ -45,7 +45,8 @@ LEVELS = {
 }
 NOISE, RIDGE = 0.2, 0.02
 FRESH = 8
-PARTS = ("development", "held_out", "fresh")
+FRESH2 = 12
+PARTS = ("development", "held_out", "fresh", "fresh2")
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,10 @@ class WarmupSetting:
 
     @property
     def part(self) -> str:
-        """``development`` (0..19), ``held_out`` (20..27) or ``fresh`` (28..35)."""
+        """``development`` (0..19), ``held_out`` (20..27), ``fresh`` (28..35) or ``fresh2``
+        (36..47)."""
+        if self.index >= SETTINGS + FRESH:
+            return "fresh2"
         if self.index >= SETTINGS:
             return "fresh"
         return "held_out" if self.index >= SETTINGS - HELD_OUT else "development"
@@ -98,11 +102,13 @@ def _design(count: int, offset: int, first: int) -> list[WarmupSetting]:
             for i in range(count)]
 
 
-def warmup_settings(count: int = SETTINGS + FRESH) -> list[WarmupSetting]:
+def warmup_settings(count: int = SETTINGS + FRESH + FRESH2) -> list[WarmupSetting]:
     """The design: each factor's levels repeated to 28 entries and shuffled by a generator
     seeded with the factor's position (balanced levels, fixed design); the fresh part is a
-    second such design of 8 (generators seeded 100 + position). The first ``count``."""
-    settings = _design(SETTINGS, 0, 0) + _design(FRESH, 100, SETTINGS)
+    second such design of 8 (generators seeded 100 + position), the fresh2 part a third of 12
+    (generators seeded 200 + position). The first ``count``."""
+    settings = (_design(SETTINGS, 0, 0) + _design(FRESH, 100, SETTINGS)
+                + _design(FRESH2, 200, SETTINGS + FRESH))
     return settings[:count]
 
 
@@ -111,8 +117,10 @@ def _factor(a: int, b: int) -> float:
     return max(a, b) / min(a, b)
 
 
-def evaluate_setting(st: WarmupSetting, probe: bool = True, seed: int = 0) -> dict:
-    """Bound and probe numbers of one setting (see the module docstring)."""
+def evaluate_setting(st: WarmupSetting, probe: bool = True, seed: int = 0,
+                     probe_options: dict | None = None) -> dict:
+    """Bound and probe numbers of one setting (see the module docstring); ``probe_options``
+    replace entries of :data:`~linattn_theory.advice.PROBE_DEFAULTS`."""
     problem = st.problem()
     start = initial_point(problem)
     star = solve_profile(problem).value
@@ -132,7 +140,7 @@ def evaluate_setting(st: WarmupSetting, probe: bool = True, seed: int = 0) -> di
     if probe:
         try:
             run = probe_run(problem, start, st.lr, st.local_steps, st.total_rounds, seed=seed,
-                            **PROBE_DEFAULTS)
+                            **{**PROBE_DEFAULTS, **(probe_options or {})})
         except ParameterError as exc:   # the finite-sample run diverged: a miss, not a skip
             row.update({"probe_T0": None, "probe_excess": float("inf"),
                         "probe_vs_never": float("inf"), "probe_within_10pct": False,
@@ -174,7 +182,7 @@ def _summary(rows: list[dict]) -> dict:
     return out
 
 
-def run_warmup_grid(count: int = SETTINGS + FRESH, probe: bool = True,
+def run_warmup_grid(count: int = SETTINGS + FRESH + FRESH2, probe: bool = True,
                     part: str = "all", quick: bool = False) -> dict:
     """Evaluate the first ``count`` settings of the grid; ``part`` is one of :data:`PARTS` or
     ``all``; ``quick`` keeps the 4 cheapest of them (smallest T, then d C; for tests).
