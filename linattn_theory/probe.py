@@ -47,6 +47,14 @@ guards keep such a probe from deciding T0; each is valid on its own assumption:
   start keeps snapshot 0. Inner predictions are medians of three already, and the newest one
   never decides a stop (``patience`` predictions must follow the best).
 
+A probe that has not bent is held up by the reach guard, above the loss the fork reaches when
+its decay has a slow part its r rounds do not show. :func:`probe_length` (an option of
+:func:`linattn_theory.sampled.probe_run`, ``max_probe_fraction``; not the default) doubles
+such a probe until its own fit spans a half-life, q^r <= 1/2, or a cap; probes of different
+lengths share their rate on their common rounds. On the warm-up grid it is within 10% of
+the exact optimum on more settings of the parts it was chosen on and fewer of an untouched
+part than the fixed 10-round probe, at more compute (docs/results/validation.md).
+
 On the warm-up grid the three guards change no setting's outcome count (W2,
 docs/results/validation.md); on a near-linear probe (2.391 -> 2.233 over 10 rounds, horizon 200)
 the unguarded prediction is negative and the guarded one 2.07.
