@@ -25,7 +25,7 @@ import numpy as np
 from linattn_theory.dynamics import InitialPoint
 from linattn_theory.errors import ParameterError, require
 from linattn_theory.freeze_rules import make_rule
-from linattn_theory.probe import ProbeChoice, ProbeSelector
+from linattn_theory.probe import ProbeChoice, ProbeSelector, probe_length
 from linattn_theory.problem import Problem
 
 __all__ = ["SampledClients", "sample_clients", "ProbeRun", "probe_run", "RuleRun", "rule_run"]
@@ -229,7 +229,8 @@ def probe_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int
               samples_per_client: int = 4096, validation_fraction: float = 0.25,
               interval: int | None = None, probe_rounds: int = 10,
               patience: int = 4, max_rate: float = 1.0, margin: float = 1.0,
-              window: int = 4, finish: bool = True) -> ProbeRun:
+              window: int = 4, max_probe_fraction: float | None = None, bend: float = 0.5,
+              finish: bool = True) -> ProbeRun:
     """Run finite-sample FedAvg with freeze-now probes every ``interval`` rounds (eq. 36).
 
     Parameters
@@ -244,7 +245,11 @@ def probe_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int
     interval : int, optional
         Rounds between snapshots (default max(1, T // 25)).
     probe_rounds : int
-        r, frozen rounds per probe (>= 2).
+        r, frozen rounds per probe (>= 2); with ``max_probe_fraction`` the first length.
+    max_probe_fraction, bend : float or None, float
+        Adaptive probes: a probe whose curve has not bent (fitted q^r > ``bend``) is doubled,
+        up to max(r, round(``max_probe_fraction`` T)) rounds
+        (:func:`linattn_theory.probe.probe_length`). None: every probe has r rounds.
     patience, max_rate, margin, window : int, float, float, int
         The selection rule (:class:`linattn_theory.probe.ProbeSelector`).
     finish : bool
@@ -272,9 +277,11 @@ def probe_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int
     # every probe uses the same minibatch draws (common random numbers), so that snapshots
     # differ by their model, not by their probe's noise
     probe_rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(3)[2])
+    longest = probe_rounds if max_probe_fraction is None else max(
+        probe_rounds, int(round(max_probe_fraction * t_total)))
     probe_plans = [steps.frozen_plan([probe_rng.integers(0, n_train, size=(c, bsz))
                                       for _ in range(local_steps)])
-                   for _ in range(probe_rounds)]
+                   for _ in range(longest)]
 
     selector = ProbeSelector(t_total, patience=patience, window=window, max_rate=max_rate,
                              margin=margin)
@@ -288,9 +295,16 @@ def probe_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int
                     snapshots[t] = (kernel, value)
                     feats = _features(kernel, data.query, data.sigma_hat)
                     val_feats = _features(kernel, data.val_query, data.val_sigma_hat)
-                    path = steps.frozen_rounds(feats, value, probe_plans)
+                    path = steps.frozen_rounds(feats, value, probe_plans[:probe_rounds])
                     losses = [_val_loss_from(problem, data, val_feats, v)
                               + _penalty(problem, kernel, v) for v in path]
+                    while (want := probe_length(losses, t_total - t, longest, bend,
+                                                max_rate)) > len(losses) - 1:
+                        more = steps.frozen_rounds(feats, path[-1],
+                                                   probe_plans[len(losses) - 1:want])[1:]
+                        path += more
+                        losses += [_val_loss_from(problem, data, val_feats, v)
+                                   + _penalty(problem, kernel, v) for v in more]
                     if selector.add(t, losses):
                         stopped = t
                         break

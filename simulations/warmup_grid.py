@@ -1,13 +1,15 @@
 """The warm-up grid: the path-local bound (eqs. 31-35) and the probe estimator (eq. 36) on
 settings that differ from the validation grid (:mod:`simulations.grid`) in every factor.
 
-28 + 8 settings of a fractional design over dimension d, clients C, context length n, covariate
-shift rho, heterogeneity zeta (kernel and value), local steps K, step size eta, horizon T and
-the problem seed; no level is one of the validation grid's. Each factor's levels appear
-equally often, in an order shuffled per factor by a fixed generator (:func:`warmup_settings`).
+28 + 8 (+ 12) settings of a fractional design over dimension d, clients C, context length n,
+covariate shift rho, heterogeneity zeta (kernel and value), local steps K, step size eta,
+horizon T and the problem seed; no level is one of the validation grid's. Each factor's levels
+appear equally often, in an order shuffled per factor by a fixed generator
+(:func:`warmup_settings`).
 Settings 20..27 are the held-out part (the bound was fixed before they were run) and 28..35
 the fresh part, a second design run only after the probe estimator was fixed; every part is
-reported.
+reported. Settings 36..47 (fresh2, a third design, ``count=48``) ran once, after the adaptive
+probe length of :func:`linattn_theory.probe.probe_length` was fixed on the development part.
 
 Measured per setting (exact population dynamics for every T0 in 0..T):
 - validity: E(T0) >= R(T0) at every T0;
@@ -45,7 +47,8 @@ LEVELS = {
 }
 NOISE, RIDGE = 0.2, 0.02
 FRESH = 8
-PARTS = ("development", "held_out", "fresh")
+FRESH2 = 12
+PARTS = ("development", "held_out", "fresh", "fresh2")
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,10 @@ class WarmupSetting:
 
     @property
     def part(self) -> str:
-        """``development`` (0..19), ``held_out`` (20..27) or ``fresh`` (28..35)."""
+        """``development`` (0..19), ``held_out`` (20..27), ``fresh`` (28..35) or ``fresh2``
+        (36..47)."""
+        if self.index >= SETTINGS + FRESH:
+            return "fresh2"
         if self.index >= SETTINGS:
             return "fresh"
         return "held_out" if self.index >= SETTINGS - HELD_OUT else "development"
@@ -101,8 +107,11 @@ def _design(count: int, offset: int, first: int) -> list[WarmupSetting]:
 def warmup_settings(count: int = SETTINGS + FRESH) -> list[WarmupSetting]:
     """The design: each factor's levels repeated to 28 entries and shuffled by a generator
     seeded with the factor's position (balanced levels, fixed design); the fresh part is a
-    second such design of 8 (generators seeded 100 + position). The first ``count``."""
-    settings = _design(SETTINGS, 0, 0) + _design(FRESH, 100, SETTINGS)
+    second such design of 8 (generators seeded 100 + position), the fresh2 part a third of 12
+    (generators seeded 200 + position), evaluated only when asked for: the first ``count``
+    (36 by default, 48 with fresh2)."""
+    settings = (_design(SETTINGS, 0, 0) + _design(FRESH, 100, SETTINGS)
+                + _design(FRESH2, 200, SETTINGS + FRESH))
     return settings[:count]
 
 
@@ -111,8 +120,10 @@ def _factor(a: int, b: int) -> float:
     return max(a, b) / min(a, b)
 
 
-def evaluate_setting(st: WarmupSetting, probe: bool = True, seed: int = 0) -> dict:
-    """Bound and probe numbers of one setting (see the module docstring)."""
+def evaluate_setting(st: WarmupSetting, probe: bool = True, seed: int = 0,
+                     probe_options: dict | None = None) -> dict:
+    """Bound and probe numbers of one setting (see the module docstring); ``probe_options``
+    replace entries of :data:`~linattn_theory.advice.PROBE_DEFAULTS`."""
     problem = st.problem()
     start = initial_point(problem)
     star = solve_profile(problem).value
@@ -132,7 +143,7 @@ def evaluate_setting(st: WarmupSetting, probe: bool = True, seed: int = 0) -> di
     if probe:
         try:
             run = probe_run(problem, start, st.lr, st.local_steps, st.total_rounds, seed=seed,
-                            **PROBE_DEFAULTS)
+                            **{**PROBE_DEFAULTS, **(probe_options or {})})
         except ParameterError as exc:   # the finite-sample run diverged: a miss, not a skip
             row.update({"probe_T0": None, "probe_excess": float("inf"),
                         "probe_vs_never": float("inf"), "probe_within_10pct": False,
@@ -175,9 +186,11 @@ def _summary(rows: list[dict]) -> dict:
 
 
 def run_warmup_grid(count: int = SETTINGS + FRESH, probe: bool = True,
-                    part: str = "all", quick: bool = False) -> dict:
+                    part: str = "all", quick: bool = False,
+                    probe_options: dict | None = None) -> dict:
     """Evaluate the first ``count`` settings of the grid; ``part`` is one of :data:`PARTS` or
-    ``all``; ``quick`` keeps the 4 cheapest of them (smallest T, then d C; for tests).
+    ``all``; ``quick`` keeps the 4 cheapest of them (smallest T, then d C; for tests);
+    ``probe_options`` replace entries of the probe's defaults (:func:`evaluate_setting`).
 
     Returns ``points`` (one row per setting; a setting whose exact dynamics diverge has
     ``error`` and is left out of the summaries) and ``summary`` per part and for all.
@@ -190,7 +203,7 @@ def run_warmup_grid(count: int = SETTINGS + FRESH, probe: bool = True,
         if part != "all" and st.part != part:
             continue
         try:
-            rows.append(evaluate_setting(st, probe))
+            rows.append(evaluate_setting(st, probe, probe_options=probe_options))
         except ParameterError as exc:
             rows.append({"setting": st.label, "part": st.part, "held_out": st.held_out,
                          "error": str(exc)})

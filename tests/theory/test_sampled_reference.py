@@ -353,3 +353,37 @@ def test_benchmark_problem_is_pinned():
     sums = (float(np.sum(run.kernel)), float(np.sum(run.value)), float(np.sum(run.value**2)))
     assert sums == pytest.approx((0.014235440000120114, 0.05713502169759027, 4.32918734786653),
                                  rel=1e-10)
+
+
+@pytest.mark.parametrize("case", ["dy1", "dy2_shift"])
+def test_adaptive_probes_are_prefixes_of_the_fixed_probes(case, monkeypatch):
+    """Adaptive probes (``max_probe_fraction``) continue on the same minibatch draws: with a
+    cap equal to the first length the run is the fixed run to the bit; with a length rule
+    that always doubles (to min(cap, T - t) rounds), one rate per probe (window 1), each
+    prediction is the one of the fixed run with cap rounds (equal to 1e-12; past the horizon
+    both read the same curve value)."""
+    spec, run = CASES[case]
+    problem = make_problem(**spec)
+    start = initial_point(problem)
+    lr, steps, total = run["lr"], run["local_steps"], run["total_rounds"]
+    rest = {k: v for k, v in run.items() if k not in ("lr", "local_steps", "total_rounds")}
+    r0 = rest.pop("probe_rounds", 10)
+    fixed = probe_run(problem, start, lr, steps, total, probe_rounds=r0, **rest)
+    same = probe_run(problem, start, lr, steps, total, probe_rounds=r0,
+                     max_probe_fraction=r0 / total, **rest)
+    assert same.choice == fixed.choice and same.rounds_computed == fixed.rounds_computed
+    assert _same(same.value, fixed.value)
+    cap = 4 * r0
+    long = probe_run(problem, start, lr, steps, total, probe_rounds=cap, window=1, **rest)
+
+    def always_double(losses, horizon, max_rounds, *args):
+        r = len(losses) - 1
+        return min(2 * r, max_rounds, horizon) if r < min(max_rounds, horizon) else r
+
+    monkeypatch.setattr(sampled, "probe_length", always_double)
+    grown = probe_run(problem, start, lr, steps, total, probe_rounds=r0, window=1,
+                      max_probe_fraction=cap / total, **rest)
+    assert grown.choice.warmup_rounds == long.choice.warmup_rounds
+    assert grown.choice.predictions == pytest.approx(long.choice.predictions, abs=1e-12)
+    horizons = total - np.asarray(grown.choice.snapshots)
+    assert grown.choice.probe_rounds_used == int(np.sum(np.minimum(cap, horizons)))

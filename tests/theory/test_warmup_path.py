@@ -16,7 +16,7 @@ from linattn_theory.dynamics import initial_point, population_dynamics
 from linattn_theory.errors import ParameterError
 from linattn_theory.frozen import frozen_stages
 from linattn_theory.objectives import global_loss, pooled_kernel_gradient
-from linattn_theory.probe import ProbeSelector, extrapolate, smoothed
+from linattn_theory.probe import _RATES, ProbeSelector, extrapolate, probe_length, smoothed
 from linattn_theory.problem import make_problem
 from linattn_theory.profile import solve_profile
 from linattn_theory.warmup import recommend_warmup
@@ -229,6 +229,59 @@ def test_selector_does_not_stop_on_an_unidentified_first_probe():
     assert sel.predictions[0] == pytest.approx(2.075, abs=0.01)
     # the later probes share q with the near-linear one in their window: floors within 0.015
     np.testing.assert_allclose(sel.predictions[1:], floors, atol=0.015)
+
+
+@pytest.mark.parametrize("q", [0.5, 0.8, float(_RATES[-30]), float(_RATES[-5])])
+def test_probe_length_doubles_until_the_fitted_curve_bends(q):
+    """Exact geometric curves l(s) = 1 + 0.5 q^s with q on the rate grid: the fit recovers q
+    exactly and the floor to 1e-8; the probe is long enough iff q^r <= 1/2, else it doubles
+    (capped by max_rounds and the horizon)."""
+    s = np.arange(61)
+    curve = 1.0 + 0.5 * q**s
+    for r in (5, 10, 20, 40):
+        _, floor, q_fit = extrapolate(curve[:r + 1], 300, reach=None)
+        bent = q**r <= 0.5
+        if bent or r >= 10:     # a probe that bends, or long enough to tell q from 1
+            assert q_fit == q and floor[0] == pytest.approx(1.0, abs=1e-8)
+        assert probe_length(curve[:r + 1], 300, 60) == (r if bent else min(2 * r, 60))
+        assert probe_length(curve[:r + 1], 300, r + 3) == (r if bent else r + 3)
+        assert probe_length(curve[:r + 1], r + 1, 60) == (r if bent else r + 1)
+        assert probe_length(curve[:r + 1], 300, r) == r
+    with pytest.raises(ParameterError):
+        probe_length(curve[:6], 300, 60, bend=1.0)
+
+
+def test_probe_length_extends_a_slow_curve_until_its_prediction_is_exact():
+    """q = 0.9693 (a grid rate): 5 rounds show q^5 = 0.86 of the drop still to come, so the
+    reach guard holds the prediction at horizon 150 far above the truth; the probe doubles to
+    10, 20 and 40 rounds (q^40 = 0.29 <= 1/2) and its prediction is then exact to 1e-8.
+    A curve with a fast and a slow rate (0.5 and 0.97) is fitted with the fast one on 5 rounds
+    and counts as bent: the rule extends a probe only as far as its own fit sees."""
+    q = float(_RATES[-30])
+    s = np.arange(41)
+    curve = 1.0 + 0.5 * q**s
+    lengths = [5]
+    while (nxt := probe_length(curve[:lengths[-1] + 1], 150, 40)) > lengths[-1]:
+        lengths.append(nxt)
+    truth = 1.0 + 0.5 * q**150
+    assert lengths == [5, 10, 20, 40]
+    assert extrapolate(curve[:6], 150)[0][0] - truth > 0.3
+    assert extrapolate(curve, 150)[0][0] == pytest.approx(truth, abs=1e-8)
+    two_rate = 1.0 + 0.05 * 0.5**s + 0.3 * 0.97**s
+    assert probe_length(two_rate[:6], 150, 40) == 5
+
+
+def test_selector_shares_the_rate_of_probes_of_different_lengths_on_their_common_rounds():
+    """A window of probes of 5, 10 and 20 rounds is fitted on its first 5 rounds: the same
+    predictions as the same probes cut to 5 rounds (exact, both are the same least squares)."""
+    s = np.arange(21)
+    curves = [f + 0.2 * 0.7**s for f in (0.9, 0.8, 0.75)]
+    ragged, cut = ProbeSelector(200, window=3), ProbeSelector(200, window=3)
+    for j, (c, r) in enumerate(zip(curves, (5, 10, 20))):
+        ragged.add(10 * j, c[:r + 1])
+        cut.add(10 * j, c[:6])
+    assert ragged.predictions == cut.predictions
+    assert ragged.probe_rounds_used == 35 and cut.probe_rounds_used == 15
 
 
 def test_selector_stops_after_patience_and_compares_with_continuing():
