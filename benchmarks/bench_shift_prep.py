@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
     sr.train_jobs = first_round
     with tempfile.TemporaryDirectory() as out:
         full = study.load_plan(args.plan, out)
-        plan = study.final_plan(full, study.load_choices(args.choices, full), write=False)
+        plan = study.final_plan(full, study.load_choices(args.choices, full))
         groups: dict = {}
         for s in study.plan_runs(plan):
             groups.setdefault((s.sweep.name, s.arm.name, s.alpha, s.seed), []).append(s)

@@ -318,7 +318,7 @@ def _study(argv: list[str]) -> int:
             partial = bool(args.slice)
             try:  # the table is written once the selection is known to be valid
                 table = choices if choices is not None else study.choose(full, False, partial)
-                plan = study.final_plan(full, table, write=False, partial=partial)
+                plan = study.final_plan(full, table, partial=partial)
             except UserError as exc:  # tuning unfinished: nothing to choose from yet
                 if args.stage == "final":
                     raise
@@ -499,7 +499,7 @@ def _study_profile(args, full, shard) -> int:
     plan = full
     if full.tune is not None:
         choices = None if args.choices is None else study.load_choices(args.choices, full)
-        plan = study.final_plan(full, choices, write=False)
+        plan = study.final_plan(full, choices)
     if not study.profile_cells(plan):
         raise UserError(f"--profile: plan {full.name} has no sweep with both a T0 arm "
                         "(warmup_rounds) and a reference arm (reference: true)")

@@ -12,7 +12,7 @@ Layout::
                          run's metrics.csv is byte-identical to an uninterrupted one)
       summary.json       status, final and best metrics, wall time, code version, libraries,
                          device
-      curves.png         learning curves (accuracy, loss) with the stages shaded and T0 marked
+      curves.png         accuracy, loss and the round's lr, the stages shaded, T0 marked
       curves_probe.png   algorithm.warmup=auto: the probes' predictions, T0 marked
       probe_discarded.csv  algorithm.warmup=auto: the rows of the warm-up rounds after T0
                          that the roll-back discarded (metrics.csv's columns)
@@ -261,7 +261,8 @@ PANELS = (("accuracy", (("test_acc", "test, global model"),
                         ("local_acc_mean", "local test, client mean"))),
           ("loss (cross-entropy)", (("train_loss", "train, clients' mean"),
                                     ("val_loss", "validation, global model"),
-                                    ("test_loss", "test, global model"))))
+                                    ("test_loss", "test, global model"))),
+          ("learning rate", (("lr", "clients' lr of the round"),)))
 STAGE_COLOURS = ("#d6e6f4", "#fbe0c6", "#dcefd6", "#eddcf0", "#f6f0c2", "#e4e4e4")
 
 
@@ -285,7 +286,8 @@ def warmup_end(spans: list[tuple[str, int, int]]) -> int | None:
 
 
 def plot_curves(metrics_path: Path, out: Path, title: str) -> None:
-    """Accuracy and loss against rounds, the stages shaded and T0 marked (matplotlib lazily).
+    """Accuracy, loss and the clients' learning rate (its schedule) against rounds, the stages
+    shaded and T0 marked (matplotlib lazily).
 
     Round r moves the model from its state after round r - 1 to the one after round r, so a
     stage covering rounds a..b is shaded over (a - 1, b] and T0 is drawn at x = T0.
@@ -306,7 +308,7 @@ def plot_curves(metrics_path: Path, out: Path, title: str) -> None:
     t0 = warmup_end(spans)
     # name each stage above its span when every span is wide enough, else in a legend
     inline = all(b - a + 1 >= 0.12 * last for _, a, b in spans)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), layout="constrained")
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(14, 4.2), layout="constrained")
     for ax, (ylabel, keys) in zip(axes, PANELS):
         above = blended_transform_factory(ax.transData, ax.transAxes)
         if len(names) > 1:
@@ -319,6 +321,8 @@ def plot_curves(metrics_path: Path, out: Path, title: str) -> None:
             if key in series:
                 r, v = zip(*series[key])
                 ax.plot(r, v, label=label, marker="o" if len(r) <= 30 else None, ms=3)
+                if key == "lr" and min(v) > 0 and max(v) > 10 * min(v):
+                    ax.set_yscale("log")  # a decay over decades stays readable
         if t0 is not None:
             lo, hi = ax.get_ylim()  # headroom for the label, clear of the curves
             ax.set_ylim(lo, hi + 0.12 * (hi - lo))

@@ -61,8 +61,7 @@ def _decision(summary: dict) -> dict:
 
 def _pairs(args):
     full = study.load_plan(args.plan)
-    plan = study.final_plan(full, study.load_choices(args.choices, full), write=False,
-                            partial=True)
+    plan = study.final_plan(full, study.load_choices(args.choices, full), partial=True)
     specs = [s for s in study.plan_runs(plan)
              if any(fnmatch.fnmatch(s.key, p) for p in args.slice)]
     chosen = [s for s in specs if s.arm.name == args.arm]

@@ -8,6 +8,7 @@ with the sweep's, the arm's and the run's own overrides (:func:`run_config`).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -247,6 +248,19 @@ def _plan(raw, path: Path, out_dir) -> Plan:
                      "has a tuning grid but the plan has no 'tune' section; add "
                      "tune: {seed: 0, last: 5, validation_fraction: 0.1}")
     return Plan(name, Path(given), sweeps, jobs, tune)
+
+
+def override_value(overrides, key: str):
+    """The value an override list gives ``key`` (``key=value``, value parsed as JSON where it
+    is JSON), or None; the last override that names ``key`` wins, as in a run's config."""
+    for o in reversed(list(overrides)):
+        k, _, v = o.partition("=")
+        if k == key:
+            try:
+                return json.loads(v)
+            except ValueError:
+                return v
+    return None
 
 
 def run_key(sweep: str, arm: str, t0, alpha, seed) -> str:

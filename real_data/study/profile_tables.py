@@ -228,9 +228,7 @@ def write_kernel_profile(rows: list[dict], out_dir: Path, budget=None,
     summary = summarize(rows)
     paths = [out_dir / "kernel_profile.csv", out_dir / "kernel_profile.json",
              out_dir / "kernel_profile.md"]
-    write_csv(rows, paths[0])
-    if not rows:
-        atomic_write_text(paths[0], "")
+    write_csv(rows, paths[0])  # an empty file for no rows
     meta = {"budget": None if budget is None else {"steps": budget.steps, "lr": budget.lr,
                                                    "batch_size": budget.batch_size,
                                                    "seed": budget.seed,

@@ -16,7 +16,7 @@ import numpy as np
 
 from linattn.configio import load_yaml
 from linattn.fileio import atomic_path, atomic_write_text
-from real_data.study.plan import Arm, Plan, RunSpec, Sweep, plan_runs, run_key
+from real_data.study.plan import Arm, Plan, RunSpec, Sweep, override_value, plan_runs, run_key
 from real_data.study.runner import FINAL, run_status
 
 LAST_ROUNDS = 10  # window for the accuracy variance: the last 10 evaluations (eval.every apart)
@@ -319,17 +319,14 @@ def base_arms(plan: Plan) -> dict[tuple[str, str], str]:
     """(sweep, arm) -> the arm of the same sweep that trains the algorithm this arm builds on:
     an arm with ``algorithm.base=NAME`` (FedFrozen on SCAFFOLD) against the sweep's arm whose
     ``algorithm.name`` is NAME and that has no T0 grid. Arms without such a partner are absent."""
-    def value(arm: Arm, key: str) -> str | None:
-        vals = [o.split("=", 1)[1] for o in arm.overrides if o.split("=", 1)[0] == key]
-        return vals[-1] if vals else None
-
     out = {}
     for sweep in plan.sweeps:
         for arm in sweep.arms:
-            base = value(arm, "algorithm.base")
+            base = override_value(arm.overrides, "algorithm.base")
             partner = [a.name for a in sweep.arms if not a.warmup_rounds
-                       and value(a, "algorithm.name") == base and value(a, "algorithm.base")
-                       is None] if base else []
+                       and override_value(a.overrides, "algorithm.name") == base
+                       and override_value(a.overrides, "algorithm.base") is None] \
+                if base else []
             if partner:
                 out[(sweep.name, arm.name)] = partner[0]
     return out
@@ -356,12 +353,7 @@ def write_comparison(runs: list[dict], out_dir: Path, against: str = "fedavg",
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = sorted(compare(runs, against, "score", margin), key=row_order)
     paths = [out_dir / "comparison.csv", out_dir / "comparison.md"]
-    text = io.StringIO()
-    if rows:
-        w = csv.DictWriter(text, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    atomic_write_text(paths[0], text.getvalue())
+    write_csv(rows, paths[0])
 
     def pts(v):
         return "" if v is None else f"{100 * v:+.2f}"
@@ -391,12 +383,8 @@ def write_comparison(runs: list[dict], out_dir: Path, against: str = "fedavg",
         for base in sorted({r["against"] for r in extra}):
             lines += ["", f"Against {base}:", "",
                       *table([r for r in extra if r["against"] == base], base)]
-        text = io.StringIO()
-        w = csv.DictWriter(text, fieldnames=list(extra[0]))
-        w.writeheader()
-        w.writerows(extra)
         paths.append(out_dir / "comparison_bases.csv")
-        atomic_write_text(paths[-1], text.getvalue())
+        write_csv(extra, paths[-1])
     else:  # a folder's base comparison matches its comparison.md
         (out_dir / "comparison_bases.csv").unlink(missing_ok=True)
     atomic_write_text(paths[1], "\n".join(lines) + "\n")
@@ -409,11 +397,13 @@ def row_order(r: dict) -> tuple:
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
-    with open(path, "w", newline="") as fh:
-        if rows:
-            w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+    """``rows`` as CSV (header from the first row; an empty file for none), atomically."""
+    text = io.StringIO()
+    if rows:
+        w = csv.DictWriter(text, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    atomic_write_text(path, text.getvalue())
 
 
 def _write_run_tables(runs: list[dict], out_dir: Path) -> list[Path]:

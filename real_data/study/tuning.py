@@ -48,7 +48,7 @@ import numpy as np
 
 from linattn.errors import ConfigError
 from linattn.fileio import atomic_write_json
-from real_data.study.plan import Arm, Plan, Sweep, inside, run_key
+from real_data.study.plan import Arm, Plan, Sweep, inside, override_value, run_key
 from real_data.study.runner import run_status
 
 CHOICES_FILE = "choices.json"
@@ -206,16 +206,16 @@ def _plain(value):
     return value
 
 
-def final_plan(plan: Plan, choices: dict | None = None, write: bool = True,
-               partial: bool = False) -> Plan:
+def final_plan(plan: Plan, choices: dict | None = None, partial: bool = False) -> Plan:
     """The final stage's runs: every arm at its chosen grid point and T0 (one sweep per alpha,
     since the choice is made per alpha) over the plan's seeds, test set evaluated.
 
     ``choices``: a table as :func:`choose` writes it (e.g. read by :func:`load_choices`);
-    default, chosen from the tuning runs. With ``partial``, an arm without a choice (its
+    default, chosen from the tuning runs (nothing written: :func:`write_choices` stores a
+    table). With ``partial``, an arm without a choice (its
     tuning unfinished, or absent from ``choices``) is left out, and so is a sweep and alpha
     left with no arm to compare."""
-    choices = choose(plan, write, partial) if choices is None else choices
+    choices = choose(plan, False, partial) if choices is None else choices
     chosen = {(c["sweep"], c["arm"], c["alpha"]): c["chosen"] for c in choices["choices"]}
     sweeps = []
     for sw in plan.sweeps:
@@ -304,23 +304,10 @@ def export_choices(plan: Plan, folder: Path | str, choices: dict | None = None) 
     return dest
 
 
-def _override_of(overrides, key: str):
-    """The value an override list gives ``key`` (``key=value``, value parsed as JSON where it
-    is JSON), or None."""
-    for o in overrides:
-        k, _, v = o.partition("=")
-        if k == key:
-            try:
-                return json.loads(v)
-            except ValueError:
-                return v
-    return None
-
-
 def _schedule_label(overrides) -> str | None:
     """``constant``, ``cosine``, ``step@0.75x0.1``...: the schedule a grid point sets, or None
     where the grid has no schedule axis."""
-    s = _override_of(overrides, "train.lr_schedule")
+    s = override_value(overrides, "train.lr_schedule")
     if s is None:
         return None
     kind = s.get("kind", "constant") if isinstance(s, dict) else str(s)
@@ -357,7 +344,7 @@ def schedule_gains(choices: dict, against: str = "fedavg") -> list[dict]:
         row = {"sweep": c["sweep"], "alpha": c["alpha"], "arm": c["arm"]}
         for name, x in (("constant", const), ("decay", decay)):
             row[f"{name}_score"] = None if x is None else float(x["score"])
-            row[f"{name}_lr"] = None if x is None else _override_of(x["overrides"],
+            row[f"{name}_lr"] = None if x is None else override_value(x["overrides"],
                                                                        "train.lr")
             row[f"{name}_T0"] = None if x is None else x.get("warmup_rounds")
             row[f"{name}_schedule"] = None if x is None else _schedule_label(x["overrides"])

@@ -67,7 +67,8 @@ def test_curves_have_labels_stages_and_t0(tmp_path, monkeypatch):
     assert (tmp_path / "curves.png").read_bytes().startswith(b"\x89PNG")
     (fig,) = figures
     axes = fig.axes
-    assert [ax.get_ylabel() for ax in axes] == ["accuracy", "loss (cross-entropy)"]
+    assert [ax.get_ylabel() for ax in axes] == ["accuracy", "loss (cross-entropy)",
+                                                "learning rate"]
     for ax in axes:
         texts = {t.get_text().strip() for t in ax.texts}
         assert {"T0 = 2", "warmup", "frozen"} <= texts
@@ -75,6 +76,16 @@ def test_curves_have_labels_stages_and_t0(tmp_path, monkeypatch):
         assert sum(1 for p in ax.patches if p.get_width() > 0) == 2  # the two stages
         assert all(t == int(t) for t in ax.get_xticks())
     plt.close(fig)
+    # the round's lr from metrics.csv, as the schedule sets it (a cut to 0.1x after round 2)
+    sched = tiny_config(*FROZEN, "train.lr_schedule={kind: step, milestones: [2], factor: 0.1}")
+    run_dir = start_run(sched, out=tmp_path / "s").run_dir
+    figures.clear()
+    rundir.plot_curves(run_dir / "metrics.csv", tmp_path / "s.png", "title")
+    (line,) = [ln for ln in figures[0].axes[2].lines
+               if ln.get_label() == "clients' lr of the round"]  # not T0's marker
+    lr = sched.train.lr
+    assert list(line.get_xdata()) == [1, 2, 3, 4]
+    assert list(line.get_ydata()) == pytest.approx([lr, lr, 0.1 * lr, 0.1 * lr], rel=1e-12)
 
 
 def test_stage_spans_and_t0():
