@@ -366,7 +366,19 @@ def _study(argv: list[str]) -> int:
             if args.pretrain_only:
                 continue
             failed += counts.get("failed", 0)
+        if not args.no_tables and stage == "tune" and any(sw.reference_sweep
+                                                          for sw in full.sweeps):
+            from real_data.study.difficulty import write_difficulty
+
+            table = study.choose(full, False, partial=True)  # what has finished so far
+            for folder in [full.out_dir / "tables", *([args.export] if args.export else [])]:
+                paths = write_difficulty(full, folder, choices=table)
+                if folder != full.out_dir / "tables":
+                    paths.append(study.export_choices(full, folder, table))
+                print(f"wrote {', '.join(str(p) for p in paths)}")
         if not args.no_tables and stage != "tune":
+            from real_data.study.difficulty import write_difficulty
+
             runs = study.run_rows(plan)
             rows = study.aggregate(plan, runs)
             for folder in [plan.out_dir / "tables", *([args.export] if args.export else [])]:
@@ -381,6 +393,8 @@ def _study(argv: list[str]) -> int:
                         # what a decay and what freezing gain on validation, by the candidates
                         paths += study.write_schedule_gains(json.loads(dest.read_text()),
                                                             folder)
+                        paths += write_difficulty(full, folder, json.loads(dest.read_text()),
+                                                  runs)
                 print(f"wrote {', '.join(str(p) for p in paths)}")
     if args.list or args.pretrain_only:
         return 0

@@ -50,6 +50,7 @@ class Sweep:
     arms: tuple[Arm, ...]
     seeds: tuple[int, ...]
     grid: tuple[tuple[str, tuple], ...] = ()  # tuned keys shared by every arm of the sweep
+    reference_sweep: str | None = None  # the no-shift sweep FedAvg's difficulty is read against
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,7 @@ def _arm(arm, where: str) -> Arm:
 
 def _sweep(sw, where: str, seeds: tuple[int, ...]) -> Sweep:
     sw = _mapping(sw, where, {"name", "config", "overrides", "alphas", "arms", "seeds",
-                              "grid"}, ("name", "config", "arms"))
+                              "grid", "reference_sweep"}, ("name", "config", "arms"))
     _require(isinstance(sw["config"], str) and sw["config"], f"{where}.config",
              "must be a config name or a YAML path")
     alphas = sw.get("alphas", [None])
@@ -163,9 +164,12 @@ def _sweep(sw, where: str, seeds: tuple[int, ...]) -> Sweep:
     if "seeds" in sw:
         seeds = _ints(sw["seeds"], f"{where}.seeds", 0)
         _require(bool(seeds), f"{where}.seeds", "must not be empty")
+    ref = sw.get("reference_sweep")
+    _require(ref is None or isinstance(ref, str) and ref, f"{where}.reference_sweep",
+             "must be the name of another sweep of the plan")
     return Sweep(check_name(sw["name"], f"{where}.name"), sw["config"],
                  _strings(sw.get("overrides", []), f"{where}.overrides"), tuple(alphas), arms,
-                 seeds, _grid(sw["grid"], f"{where}.grid") if "grid" in sw else ())
+                 seeds, _grid(sw["grid"], f"{where}.grid") if "grid" in sw else (), ref)
 
 
 def _tune(raw, where: str = "tune") -> Tune:
@@ -230,6 +234,18 @@ def _plan(raw, path: Path, out_dir) -> Plan:
     sweeps = tuple(_sweep(sw, f"sweeps[{i}]", seeds) for i, sw in enumerate(raw["sweeps"]))
     names = [sw.name for sw in sweeps]
     _require(len(set(names)) == len(names), "sweeps", "sweep names must be unique")
+    by_name = {sw.name: sw for sw in sweeps}
+    for i, sw in enumerate(sweeps):
+        if sw.reference_sweep is None:
+            continue
+        ref = by_name.get(sw.reference_sweep)
+        where = f"sweeps[{i}].reference_sweep"
+        _require(ref is not None and ref is not sw, where, f"{sw.reference_sweep!r} is not "
+                 f"another sweep of the plan; allowed: "
+                 f"{', '.join(n for n in names if n != sw.name)}")
+        for s_ in (sw, ref):
+            _require(any(a.name == "fedavg" for a in s_.arms), where, f"sweep {s_.name} has "
+                     "no arm named fedavg (difficulty is FedAvg's gap to the reference)")
     _require(isinstance(raw.get("pretrain", []), list), "pretrain", "must be a list")
     jobs = tuple(_pretrain_job(job, f"pretrain[{i}]")
                  for i, job in enumerate(raw.get("pretrain", [])))
