@@ -53,9 +53,15 @@ their definitions (:mod:`~real_data.study.profile_tables`). Where the runs hold 
 split, the tables also give the validation-selected T0 of each T0 arm with a bootstrap interval
 over seeds (``t0_choice.{csv,md}``).
 
+A sweep with ``reference_sweep: <name>`` (a shifted data set beside the same data unshifted)
+gets its difficulty measured: FedAvg's gap to the reference on validation (after tuning) and
+on test (after the final runs), and concept shifts paired with the covariate shift of the
+nearest gap, in ``difficulty.{csv,md}`` (:mod:`~real_data.study.difficulty`).
+
 The parts: :mod:`~real_data.study.plan` (the plan file, its runs and their configs),
 :mod:`~real_data.study.runner` (running, resuming, sharding),
-:mod:`~real_data.study.tuning` (the tuning stage and the choice) and
+:mod:`~real_data.study.tuning` (the tuning stage and the choice),
+:mod:`~real_data.study.difficulty` (a shift's difficulty) and
 :mod:`~real_data.study.tables` (aggregation, tables, comparisons, archives). This package
 gathers their public names, so ``from real_data import study`` is all a caller needs.
 """
