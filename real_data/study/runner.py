@@ -7,6 +7,7 @@ skipped, an interrupted run resumed from its last checkpoint, a missing one star
 
 from __future__ import annotations
 
+import collections
 import fnmatch
 import json
 import shutil
@@ -68,10 +69,13 @@ def batch_cost(batch: list[list[RunSpec]], pace: dict | None = None,
 
 
 def measured_pace(specs: list[RunSpec], before: float | None = None) -> dict:
-    """Median GPU seconds per round of the completed runs, by (sweep, arm), by sweep and
-    overall (``"*"``), and each arm's median ratio to its sweep's median (``("*", arm)``, for
-    an arm not yet run in some sweep); empty when none ran on a GPU. CPU runs are left out."""
+    """Median GPU seconds per round of the completed runs, by (sweep, arm) and by sweep; overall
+    (``"*"``), the median per unit of :func:`_local_work` (so a sweep not run yet, at another
+    K, is priced by its own local work); and each arm's median ratio to its sweep's median
+    (``("*", arm)``, for an arm not yet run in some sweep); empty when none ran on a GPU. CPU
+    runs are left out."""
     by_arm: dict[tuple, list[float]] = {}
+    work: dict[str, float] = {}  # each measured sweep's local work per round
     for s in specs:
         if not _finished_before(s.run_dir, before):
             continue
@@ -81,13 +85,15 @@ def measured_pace(specs: list[RunSpec], before: float | None = None) -> dict:
                 info.get("device", {}).get("type") != "cuda":
             continue
         by_arm.setdefault((s.sweep.name, s.arm.name), []).append(float(sec))
+        if s.sweep.name not in work:
+            work[s.sweep.name] = _local_work(run_config(s, s.warmup_rounds).train)
     if not by_arm:
         return {}
     pace: dict = {k: float(np.median(v)) for k, v in by_arm.items()}
     for sweep in {k[0] for k in by_arm}:
         pace[sweep] = float(np.median([x for k, v in by_arm.items() if k[0] == sweep
                                        for x in v]))
-    pace["*"] = float(np.median([x for v in by_arm.values() for x in v]))
+    pace["*"] = float(np.median([x / work[k[0]] for k, v in by_arm.items() for x in v]))
     for arm in {k[1] for k in by_arm}:  # ("*", arm): the arm's pace relative to its sweeps'
         pace[("*", arm)] = float(np.median([pace[k] / pace[k[0]] for k in by_arm
                                             if k[1] == arm]))
@@ -182,9 +188,10 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
     another one already finishes groups, still agree on the split (gpu_study.sh passes the
     time it launches them).
     ``deadline_s``: start a group only if it is expected to end within this many seconds of
-    the start, at the pace of the groups run so far (before any: the measured pace when
-    ``pending``, else the first group always starts); a group that would not fit is left for
-    later and a shorter one tried.
+    the start, at the pace of the groups run so far (before any: the pace measured in the
+    plan's finished GPU runs when ``pending``, a sweep not run yet priced by its local work;
+    without one the first group always starts); a stacked batch that would not fit is split
+    into halves, a single group that would not fit is left for later and a shorter one tried.
     With ``pretrain_only`` and ``shard=(k, n)``, the k-th of every n pretraining jobs the
     whole selection needs is run (one process per GPU pretrains side by side).
     ``stack``: T0 families that share a model architecture and optimizer train together in
@@ -218,9 +225,9 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
                                  if run_status(m.run_dir) != "completed"], log, shard)
         return {"pretrained": sum(plan.pretrained_path(j).is_file() for j in plan.pretrain)}
     # pending: workers that start together see the same finished runs, so they may also
-    # weigh each group by the seconds per round measured so far for its arm
-    pace = measured_pace([m for g in groups.values() for m in g], before) \
-        if pending is not False else None
+    # weigh each group by the seconds per round measured so far for its arm, in the whole
+    # plan (a slice not run yet is priced by the sweeps that ran)
+    pace = measured_pace(plan_runs(plan), before) if pending is not False else None
     if shard is not None:
         # without pending, over the whole selection: workers started at any time agree on
         # the split, whatever the others have finished meanwhile
@@ -231,8 +238,10 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
               "diverged": 0, "failed": 0}
     start, done = time.perf_counter(), 0
     spent, cost_done = 0.0, 0.0  # seconds and rounds of the groups run here (for deadline_s)
-    batches = _stack_batches(todo, stack_runs) if stack else [[g] for g in todo]
-    for batch in batches:
+    batches = collections.deque(_stack_batches(todo, stack_runs) if stack else
+                                [[g] for g in todo])
+    while batches:
+        batch = batches.popleft()
         members = [m for family in batch for m in family]
         now = time.perf_counter() - start
         finished = frozenset(m.key for m in members if run_status(m.run_dir) in FINAL)
@@ -242,6 +251,10 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
         ratio = spent / cost_done if cost_done > 0 else (1.0 if pace else None)
         late = deadline_s is not None and ratio is not None and todo_here and \
             now + cost * ratio > deadline_s
+        if late and len(batch) > 1:  # a stacked batch too long: its halves may fit
+            half = len(batch) // 2
+            batches.extendleft([batch[half:], batch[:half]])
+            continue
         if (max_runs is not None and done >= max_runs) or (
                 budget_s is not None and now > budget_s) or late:
             counts["left"] += sum(run_status(m.run_dir) not in FINAL for m in members)

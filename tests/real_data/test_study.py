@@ -288,6 +288,48 @@ def test_deadline_leaves_groups_that_would_not_fit(tmp_path):
     assert counts["started"] == 1 and counts["left"] == len(study.plan_runs(plan)) - done
 
 
+def test_a_slice_not_run_yet_is_priced_by_the_plan_and_a_late_batch_splits(tmp_path,
+                                                                           monkeypatch):
+    """The pace measured in one sweep prices another at its own local work; a stacked batch
+    that would overrun the deadline is split into halves until a part fits."""
+    import real_data.study.runner as runner
+
+    data = yaml.safe_load(yaml.safe_dump(PLAN))
+    data["seeds"] = [0, 1, 2, 3]
+    base = data["sweeps"][0]
+    base["arms"] = base["arms"][:1]
+    base["overrides"] = base["overrides"] + ["train.local_steps=10"]
+    new = {**base, "name": "new", "overrides": base["overrides"] + ["train.local_steps=21"]}
+    data["sweeps"] = [base, new]
+    plan = _plan(tmp_path, data)
+    for spec in study.plan_runs(plan):
+        if spec.sweep.name == "digits":
+            spec.run_dir.mkdir(parents=True)
+            (spec.run_dir / "summary.json").write_text(json.dumps(
+                {"status": "completed", "seconds_per_round": 1.0, "device": {"type": "cuda"}}))
+    pace = study.measured_pace(study.plan_runs(plan))
+    assert pace["*"] == pytest.approx(1.0) and "new" not in pace
+    fresh = [s for s in study.plan_runs(plan) if s.sweep.name == "new"]
+    # 3 rounds at 1.0 s per unit of local work, K = 21 being 2 units: 6 s a run
+    assert study.batch_cost([[s] for s in fresh], pace) == pytest.approx(4 * 6.0)
+    ran = []
+    monkeypatch.setattr(runner, "_run_stacked", lambda batch, counts, log: ran.append(
+        sorted(f[0].seed for f in batch)))
+    monkeypatch.setattr(runner, "_run_group", lambda members, counts, log: ran.append(
+        sorted(m.seed for m in members)))
+    # 24 s of work against a 7 s deadline: halves (12 s) are late too, quarters (6 s) fit;
+    # once a part has run the pace here is known (near 0 s: nothing trains) and the rest fit
+    study.run_study(plan, pattern="new/*", deadline_s=7.0, pending=True, log=lambda *_: None)
+    assert ran == [[0], [1], [2, 3]]
+    # without a measured pace the first batch always starts, whole
+    ran.clear()
+    for spec in study.plan_runs(plan):
+        if spec.sweep.name == "digits":
+            (spec.run_dir / "summary.json").unlink()
+    study.run_study(plan, pattern="new/*", deadline_s=7.0, pending=True, log=lambda *_: None)
+    assert ran == [[0, 1, 2, 3]]
+
+
 def test_pending_shards_balance_only_the_unfinished_groups(tmp_path):
     data = yaml.safe_load(yaml.safe_dump(PLAN))
     data["seeds"] = [0, 1]
@@ -341,7 +383,10 @@ def test_measured_pace_weighs_the_pending_split(tmp_path):
     pace = study.measured_pace(specs)
     assert pace[("digits", "slow")] == pytest.approx(0.6)
     assert pace[("digits", "fast")] == pytest.approx(0.2)
-    assert pace["digits"] == pace["*"] == pytest.approx(0.4)
+    assert pace["digits"] == pytest.approx(0.4)
+    # overall: per unit of local work (K = 10 local steps is one unit)
+    steps = study.run_config(specs[0], None).train.local_steps
+    assert pace["*"] == pytest.approx(0.4 * 11 / (1 + steps))
     assert pace[("*", "slow")] == pytest.approx(1.5) and pace[("*", "fast")] == pytest.approx(0.5)
     # an arm measured only in another sweep: that sweep's ratio times this sweep's median
     other = dict(pace, **{"other": 0.1})
