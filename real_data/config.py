@@ -181,7 +181,11 @@ class EvalConfig:
     """Evaluation schedule; ``clients`` adds per-client local-test metrics; ``test: false``
     evaluates the validation split only (tuning runs never read the test set);
     ``finetune: true`` adds, at the last round, every client's local test accuracy after it
-    fine-tunes the global model for one local round at ``train.lr`` (``local_ft_acc_*``)."""
+    fine-tunes the global model for one local round at ``train.lr`` (``local_ft_acc_*``), and
+    with a validation split the fine-tuned models' accuracy on every client's own validation
+    samples (``local_ft_val_acc_micro``). With ``clients: true`` and a validation split every
+    evaluation also records ``local_val_acc_micro``: each client's evaluation model (its own
+    under a personalized method) on its own validation samples."""
 
     every: int = 1
     batch_size: int = 1024

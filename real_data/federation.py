@@ -328,12 +328,17 @@ class Federation:
             records += [(rnd, str(m), "local_test_acc", a) for m, a in per_client.items()]
             if new_state.plateau is not None and self.x_val is not None:
                 new_state.plateau.observe(g_eval["val_loss"], self.cfg.train.schedule)
-            if self.cfg.eval.finetune and self.cfg.eval.test and rnd == self.cfg.train.rounds:
-                ft = self.finetuned_accuracy(new_state, rnd)
-                records += [(rnd, str(m), "local_ft_acc", a) for m, a in enumerate(ft)]
-                sizes = np.array([len(ix) for ix in self.partition.test], dtype=np.float64)
-                g.update({"local_ft_acc_mean": float(ft.mean()),
-                          "local_ft_acc_micro": float((ft * sizes).sum() / max(sizes.sum(), 1))})
+            if self.cfg.eval.finetune and rnd == self.cfg.train.rounds and (
+                    self.cfg.eval.test or self.x_val is not None):
+                ft, ft_val = self.finetuned_accuracy(new_state, rnd)
+                if ft is not None:
+                    records += [(rnd, str(m), "local_ft_acc", a) for m, a in enumerate(ft)]
+                    sizes = np.array([len(ix) for ix in self.partition.test], dtype=np.float64)
+                    g.update({"local_ft_acc_mean": float(ft.mean()),
+                              "local_ft_acc_micro": float((ft * sizes).sum()
+                                                          / max(sizes.sum(), 1))})
+                if ft_val is not None:
+                    g["local_ft_val_acc_micro"] = ft_val
         g.update(extra)
         g.update(self.algorithm.observe_round(rnd, g, new_state,
                                               lambda: self._attention_probe(new_state)))
@@ -444,13 +449,15 @@ class Federation:
 
         done = {} if evaluator is None else evaluator(state)
         out: dict[str, float] = {}
-        hit = None
+        hits = {}
         for split, (x, y) in self.eval_splits().items():
             loss, h = done[split] if split in done else evaluate(
                 fwd(state.global_params), x, y, bs, self.autocast)
             out[f"{split}_loss"], out[f"{split}_acc"] = float(loss.mean()), float(h.mean())
-            if split == "test":
-                hit = h
+            hits[split] = h
+        hit = hits.get("test")
+        if self.cfg.eval.clients and "val" in hits:
+            out["local_val_acc_micro"] = self._local_val_micro(state, hits["val"])
         per_client: dict[int, float] = {}
         if self.cfg.eval.clients and hit is not None:
             hit_np = hit.cpu().numpy()
@@ -471,14 +478,38 @@ class Federation:
             out["local_acc_micro"] = float((acc * sizes).sum() / max(sizes.sum(), 1.0))
         return out, per_client
 
-    def finetuned_accuracy(self, state: FedState, rnd: int) -> np.ndarray:
+    def _local_val_micro(self, state: FedState, pooled_hits) -> float:
+        """Correct predictions over every client's own validation samples, each client under
+        its evaluation parameters (a personalized method's own model; the global model
+        otherwise, where this is ``val_acc``): the personalized score a tuning reads."""
+        algo, bs = self.algorithm, self.cfg.eval.batch_size
+        h_all = pooled_hits.cpu().numpy()
+        correct, start = 0.0, 0
+        for m, idx in enumerate(self.partition.val):
+            n = len(idx)
+            own = algo.eval_params(m, state.global_params, state.client_state,
+                                   state.server_state) if n else None
+            if own is None:
+                correct += float(h_all[start:start + n].sum())
+            else:
+                _, h = evaluate(lambda xb, p=own: algo.forward(self.model, p, xb),
+                                self.x_val[start:start + n], self.y_val[start:start + n], bs,
+                                self.autocast)
+                correct += float(h.sum())
+            start += n
+        return correct / max(start, 1)
+
+    def finetuned_accuracy(self, state: FedState, rnd: int
+                           ) -> tuple[np.ndarray | None, float | None]:
         """Every client's local test accuracy after fine-tuning the global model for one local
         round: all parameters, the run's optimizer at its base ``train.lr`` (not the schedule's
         last, which is 0 at the end of a cosine), its K steps (or E epochs) on fresh minibatches
         of its own training samples, the plain objective (no proximal term or control variate),
         whatever the algorithm. The same budget for every algorithm and schedule, so "FedAvg +
         fine-tuning" and "FedFrozen + fine-tuning" meet a personalized method such as FedTP on
-        its own metric."""
+        its own metric. Returns the per-client test accuracies (None with ``eval.test`` false)
+        and the fine-tuned models' accuracy over all clients' own validation samples (None
+        without a validation split), what a tuning on the personalized score reads."""
         from real_data.algorithms.fedavg import FedAvg, FedAvgParams
 
         plain = FedAvg(FedAvgParams(), self.algorithm.ctx)
@@ -495,18 +526,37 @@ class Federation:
             overrides={}, client_state={}, server_state=None, autocast=self.autocast)
         results = self.train_job(job)
         self.model.eval()
-        acc = np.zeros(len(ids))
         bs = self.cfg.eval.batch_size
-        for m, test_idx in enumerate(self.partition.test):
-            if not len(test_idx):
-                continue
-            own = {n: results.params[n][m] if n in results.params else v
-                   for n, v in state.global_params.items()}
-            ix = torch.as_tensor(test_idx, device=self.device)
-            _, h = evaluate(lambda xb, p=own: plain.forward(self.model, p, xb),
-                            self.x_test[ix], self.y_test[ix], bs, self.autocast)
-            acc[m] = float(h.mean())
-        return acc
+
+        def own(m):
+            return {n: results.params[n][m] if n in results.params else v
+                    for n, v in state.global_params.items()}
+
+        acc = None
+        if self.cfg.eval.test:
+            acc = np.zeros(len(ids))
+            for m, test_idx in enumerate(self.partition.test):
+                if not len(test_idx):
+                    continue
+                ix = torch.as_tensor(test_idx, device=self.device)
+                p = own(m)
+                _, h = evaluate(lambda xb, p=p: plain.forward(self.model, p, xb),
+                                self.x_test[ix], self.y_test[ix], bs, self.autocast)
+                acc[m] = float(h.mean())
+        val = None
+        if self.x_val is not None:
+            correct, start = 0.0, 0
+            for m, idx in enumerate(self.partition.val):
+                n = len(idx)
+                if n:
+                    p = own(m)
+                    _, h = evaluate(lambda xb, p=p: plain.forward(self.model, p, xb),
+                                    self.x_val[start:start + n], self.y_val[start:start + n],
+                                    bs, self.autocast)
+                    correct += float(h.sum())
+                start += n
+            val = correct / max(start, 1)
+        return acc, val
 
     def _step_flops(self, trainable: tuple[str, ...], stage: str = "full") -> int:
         # keyed by stage too: an algorithm may change its forward between stages (FedSQ)

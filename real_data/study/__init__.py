@@ -53,6 +53,12 @@ their definitions (:mod:`~real_data.study.profile_tables`). Where the runs hold 
 split, the tables also give the validation-selected T0 of each T0 arm with a bootstrap interval
 over seeds (``t0_choice.{csv,md}``).
 
+A sweep with ``score: personal`` (default ``global``) compares every client's own model: its
+tuning reads each client's own validation samples under the run's model for that client (a
+personalized method's, or the global model after ``eval.finetune``'s local round) and its
+score is the same on the clients' test splits, so FedTP meets FedAvg and FedFrozen with local
+fine-tuning on its own metric.
+
 A sweep with ``reference_sweep: <name>`` (a shifted data set beside the same data unshifted)
 gets its difficulty measured: FedAvg's gap to the reference on validation (after tuning) and
 on test (after the final runs), and concept shifts paired with the covariate shift of the

@@ -18,6 +18,8 @@ from linattn.errors import ConfigError
 from real_data.config import Config, load_config
 from real_data.schema import check_name
 
+SCORES = ("global", "personal")
+
 
 @dataclass(frozen=True)
 class Arm:
@@ -51,6 +53,7 @@ class Sweep:
     seeds: tuple[int, ...]
     grid: tuple[tuple[str, tuple], ...] = ()  # tuned keys shared by every arm of the sweep
     reference_sweep: str | None = None  # the no-shift sweep FedAvg's difficulty is read against
+    score: str = "global"  # "personal": tuned and scored on every client's own model
 
 
 @dataclass(frozen=True)
@@ -147,7 +150,7 @@ def _arm(arm, where: str) -> Arm:
 
 def _sweep(sw, where: str, seeds: tuple[int, ...]) -> Sweep:
     sw = _mapping(sw, where, {"name", "config", "overrides", "alphas", "arms", "seeds",
-                              "grid", "reference_sweep"}, ("name", "config", "arms"))
+                              "grid", "reference_sweep", "score"}, ("name", "config", "arms"))
     _require(isinstance(sw["config"], str) and sw["config"], f"{where}.config",
              "must be a config name or a YAML path")
     alphas = sw.get("alphas", [None])
@@ -167,9 +170,13 @@ def _sweep(sw, where: str, seeds: tuple[int, ...]) -> Sweep:
     ref = sw.get("reference_sweep")
     _require(ref is None or isinstance(ref, str) and ref, f"{where}.reference_sweep",
              "must be the name of another sweep of the plan")
+    score = sw.get("score", "global")
+    _require(score in SCORES, f"{where}.score", f"{score!r}: allowed {', '.join(SCORES)} "
+             "(personal: every client's own model, a personalized method's or the global "
+             "model after eval.finetune's local round)")
     return Sweep(check_name(sw["name"], f"{where}.name"), sw["config"],
                  _strings(sw.get("overrides", []), f"{where}.overrides"), tuple(alphas), arms,
-                 seeds, _grid(sw["grid"], f"{where}.grid") if "grid" in sw else (), ref)
+                 seeds, _grid(sw["grid"], f"{where}.grid") if "grid" in sw else (), ref, score)
 
 
 def _tune(raw, where: str = "tune") -> Tune:

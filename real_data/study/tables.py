@@ -97,8 +97,17 @@ def run_row(run_dir: Path) -> dict | None:
                             if (summary.get("warmup") or {}).get("warmup_rounds") is not None
                             else np.nan),
     }
+    # the personalized score: every client's own model on its own test (validation) samples,
+    # after eval.finetune's local round where the run fine-tunes, else under the run's own
+    # evaluation parameters (mean of the last evaluations, like ``score``)
+    for key, ft, own in (("personal_score", "local_ft_acc_micro", "local_acc_micro"),
+                         ("personal_val_score", "local_ft_val_acc_micro",
+                          "local_val_acc_micro")):
+        series = m.get(ft) if ft in m else m.get(own)
+        row[key] = float(np.mean(series[-SCORE_LAST:])) if series is not None else np.nan
     if status == "diverged":  # no score: counted apart (``compare``'s diverged columns)
-        for key in ("final_acc", "best_acc", "score", "val_score"):
+        for key in ("final_acc", "best_acc", "score", "val_score", "personal_score",
+                    "personal_val_score"):
             row[key] = float("nan")
     return row
 
@@ -114,6 +123,9 @@ def run_rows(plan: Plan) -> list[dict]:
         row = run_row(spec.run_dir)
         if row is None:
             continue
+        if spec.sweep.score == "personal":  # the sweep compares every client's own model
+            row = {**row, "score": row["personal_score"],
+                   "val_score": row["personal_val_score"]}
         dev = _kernel_deviations(plan, spec.sweep.name, spec.arm.name, spec.warmup_rounds,
                                  spec.alpha, [spec])
         out.append({"sweep": spec.sweep.name, "arm": spec.arm.name,
@@ -134,7 +146,8 @@ def aggregate(plan: Plan, runs: list[dict] | None = None) -> list[dict]:
                "n_seeds": len(items), "device": items[0]["device"]}
         for metric in ("final_acc", "best_acc", "score", "val_score", "rounds_to_best",
                        "last_acc_var",
-                       "personal_acc", "grad_norm_jump", "bytes_up", "bytes_down",
+                       "personal_acc", "personal_score", "grad_norm_jump", "bytes_up",
+                       "bytes_down",
                        "train_flops", "seconds_per_round"):
             values = np.array([r[metric] for r in items], dtype=np.float64)
             rec[f"{metric}_mean"] = float(np.nanmean(values)) if np.any(np.isfinite(values)) \

@@ -52,6 +52,11 @@ from real_data.study.plan import Arm, Plan, Sweep, inside, override_value, run_k
 from real_data.study.runner import run_status
 
 CHOICES_FILE = "choices.json"
+# a sweep with ``score: personal`` is tuned on every client's own validation samples: after
+# eval.finetune's local round where the run fine-tunes (one value, at the end), else under the
+# run's own evaluation parameters (a personalized method's models; the global model otherwise)
+PERSONAL = "personal"
+PERSONAL_METRICS = ("local_ft_val_acc_micro", "local_val_acc_micro")
 
 
 def grid_points(sweep: Sweep, arm: Arm) -> list[tuple[str, ...]]:
@@ -106,21 +111,23 @@ def _score(run_dir: Path, metric: str, last: int, head: Path | None = None
     diverged before the branch's T0 (no snapshot), the branch is the same diverged
     trajectory and scores as diverged."""
     status = run_status(run_dir)
+    worst = -np.inf if metric.endswith("acc") or metric == PERSONAL else np.inf
     if status in ("missing", "partial") and head is not None and head != run_dir \
             and run_status(head) == "diverged" and \
             not (head / "checkpoints" / f"round_{_t0_of(run_dir)}.pt").is_file():
-        status = "diverged"
-        return (-np.inf if metric.endswith("acc") else np.inf), status
+        return worst, "diverged"
     if status not in ("completed", "diverged"):
         return None, status
-    values = []
+    wanted = PERSONAL_METRICS if metric == PERSONAL else (metric,)
+    found: dict[str, list] = {m: [] for m in wanted}
     with open(run_dir / "metrics.csv", newline="") as fh:
         import csv
 
         for row in csv.DictReader(fh):
-            if row["client"] == "global" and row["metric"] == metric:
-                values.append((int(row["round"]), float(row["value"])))
-    worst = -np.inf if metric.endswith("acc") else np.inf
+            if row["client"] == "global" and row["metric"] in found:
+                found[row["metric"]].append((int(row["round"]), float(row["value"])))
+    # personal: the fine-tuned models' score where the run fine-tunes, else its own models'
+    values = next((found[m] for m in wanted if found[m]), [])
     if status == "diverged" or not values:
         return worst, status
     tail = [v for _, v in sorted(values)[-last:]]
@@ -141,11 +148,12 @@ def choose(plan: Plan, write: bool = True, partial: bool = False) -> dict:
     whole table goes to ``<out_dir>/choices.json``."""
     _need_tune(plan)
     tune = plan.tune
-    higher = tune.metric.endswith("acc")
     out, missing = {"metric": tune.metric, "last": tune.last, "seed": tune.seed,
                     "choices": []}, []
     unfinished = []
     for sw in plan.sweeps:
+        metric = PERSONAL if sw.score == PERSONAL else tune.metric
+        higher = metric == PERSONAL or metric.endswith("acc")
         for arm in sw.arms:
             if arm.reference:
                 continue
@@ -160,7 +168,7 @@ def choose(plan: Plan, write: bool = True, partial: bool = False) -> dict:
                                                             tune.seed))
                     for t0 in arm.warmup_rounds or (None,):
                         key = run_key(sw.name, _tuned_arm(arm, i), t0, alpha, tune.seed)
-                        score, status = _score(inside(plan.out_dir, key), tune.metric,
+                        score, status = _score(inside(plan.out_dir, key), metric,
                                                tune.last, head)
                         if score is None:
                             missing.append(key)
@@ -177,7 +185,7 @@ def choose(plan: Plan, write: bool = True, partial: bool = False) -> dict:
                     raise ConfigError(f"every tuning run of {sw.name}/{arm.name} (alpha "
                                       f"{alpha}) diverged; lower the grid's learning rates")
                 out["choices"].append({"sweep": sw.name, "arm": arm.name, "alpha": alpha,
-                                       "chosen": best, "candidates": cands})
+                                       "metric": metric, "chosen": best, "candidates": cands})
     if partial:
         out["unfinished"] = unfinished
     elif missing:
@@ -326,13 +334,16 @@ def schedule_gains(choices: dict, against: str = "fedavg") -> list[dict]:
     chose the configurations; they say where a gain lies, the final runs test it.
     Empty where the grid has no schedule axis; an arm whose every candidate diverged (no finite
     score) has no row."""
-    sign = 1.0 if choices.get("metric", "val_acc").endswith("acc") else -1.0
+    def sign_of(c) -> float:  # an entry's own metric (a personal sweep's), else the table's
+        metric = c.get("metric") or choices.get("metric", "val_acc")
+        return 1.0 if metric == PERSONAL or metric.endswith("acc") else -1.0
 
     def top(pool):
         return max(pool, key=lambda x: sign * float(x["score"])) if pool else None
 
-    rows, best = [], {}
+    rows, best, signs = [], {}, {}
     for c in choices.get("choices", []):
+        sign = signs[(c["sweep"], c["alpha"])] = sign_of(c)
         cands = [x for x in c.get("candidates") or []
                  if x.get("score") is not None and np.isfinite(float(x["score"]))]
         labels = [_schedule_label(x["overrides"]) for x in cands]
@@ -354,6 +365,7 @@ def schedule_gains(choices: dict, against: str = "fedavg") -> list[dict]:
         rows.append(row)
         best[(c["sweep"], c["alpha"], c["arm"])] = row
     for row in rows:
+        sign = signs[(row["sweep"], row["alpha"])]
         ref = best.get((row["sweep"], row["alpha"], against))
         for name, key in (("vs_against_constant", "constant_score"),
                           ("vs_against_best", "best_score")):
