@@ -632,13 +632,16 @@ def _validation_data(partition, x_train: torch.Tensor, y_train: torch.Tensor) ->
     if not partition.has_validation:
         return None, None
     idx = partition.val_pooled
-    key = (id(x_train), x_train.dtype, len(idx), hash(idx.tobytes()))
-    if key not in _VAL:
+    # the labels are part of the key: a concept shift relabels the same inputs (one x_train
+    # tensor, several y_train), and each data set must read its own labels
+    key = (id(x_train), id(y_train), x_train.dtype, len(idx), hash(idx.tobytes()))
+    held = _VAL.get(key)
+    if held is None or held[0] is not x_train or held[1] is not y_train:
         while len(_VAL) >= 8:
             _VAL.pop(next(iter(_VAL)))
         ix = torch.as_tensor(idx, device=x_train.device)
-        _VAL[key] = (x_train, x_train[ix], y_train[ix])
-    return _VAL[key][1:]
+        _VAL[key] = (x_train, y_train, x_train[ix], y_train[ix])
+    return _VAL[key][2:]
 
 
 _VAL: dict[tuple, tuple] = {}

@@ -136,3 +136,30 @@ def test_a_bad_reference_sweep_names_the_key(tmp_path, mutate, said):
     res = run_cli("study", "--plan", str(tmp_path / "plan.yaml"), "--out", str(tmp_path / "o"))
     assert res.returncode == 2 and "reference_sweep" in res.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_a_concept_shift_reads_its_own_validation_labels_beside_the_unshifted_data(tmp_path):
+    """A concept shift relabels the same inputs: stacked (or run one after the other in one
+    process) beside the unshifted data, its validation scores equal the same run alone."""
+    data = yaml.safe_load(yaml.safe_dump(PLAN))
+    data["sweeps"][1].update(name="relabelled", overrides=BASE + [
+        "partition.shift={kind: concept, classes: 10, groups: 2}"])
+    data["sweeps"][1]["grid"] = data["sweeps"][0]["grid"] = {"train.lr": [0.2]}
+    path = _write(tmp_path, data)
+    together, alone = tmp_path / "together", tmp_path / "alone"
+    for out, extra in ((together, []), (together, ["--no-stack"]),
+                       (alone, ["--slice", "relabelled/*"])):
+        if extra == ["--no-stack"]:
+            out = tmp_path / "sequential"
+        res = run_cli("study", "--plan", str(path), "--out", str(out), "--stage", "tune",
+                      *extra)
+        assert res.returncode == 0, res.stderr[-2000:]
+
+    def val(root):
+        rows = csv.DictReader(open(root / "relabelled/fedavg+0/natural/seed=7/metrics.csv"))
+        return [(r["round"], r["metric"], r["value"]) for r in rows if r["client"] == "global"
+                and r["metric"] in ("val_acc", "val_loss", "local_val_acc_micro")]
+
+    want = val(alone)
+    assert len(want) == 6  # two rounds x three metrics
+    assert val(together) == want and val(tmp_path / "sequential") == want
