@@ -387,14 +387,14 @@ def _study(argv: list[str]) -> int:
                 if stage == "final":
                     paths += study.write_comparison(runs, folder,
                                                      bases=study.base_arms(plan))
+                    # FedAvg's gap to each shift's reference, on validation and on test
+                    paths += write_difficulty(full, folder, table, runs)
                     if folder != plan.out_dir / "tables":  # the choices the final runs use
                         dest = study.export_choices(full, folder, table)
                         paths.append(dest)
                         # what a decay and what freezing gain on validation, by the candidates
                         paths += study.write_schedule_gains(json.loads(dest.read_text()),
                                                             folder)
-                        paths += write_difficulty(full, folder, json.loads(dest.read_text()),
-                                                  runs)
                 print(f"wrote {', '.join(str(p) for p in paths)}")
     if args.list or args.pretrain_only:
         return 0

@@ -44,39 +44,48 @@ def describe(shift: dict | None) -> str:
 def validation_gaps(plan: Plan, choices: dict) -> list[dict]:
     """Per sweep with a reference and alpha: FedAvg's chosen validation score, the reference's,
     and the gap (reference minus sweep, in the metric's units; points for accuracy). A sweep
-    whose FedAvg or whose reference's FedAvg has no choice yet is left out."""
-    chosen = {(c["sweep"], c["alpha"]): c["chosen"]["score"] for c in choices["choices"]
-              if c["arm"] == AGAINST}
-    sign = 1.0 if choices.get("metric", "val_acc").endswith("acc") else -1.0
+    whose FedAvg or whose reference's FedAvg has no finite chosen score yet is left out."""
+    chosen = {}
+    for c in choices["choices"]:
+        if c["arm"] != AGAINST:
+            continue
+        try:  # an exported table writes an infinite score as a string
+            score = float((c.get("chosen") or {}).get("score"))
+        except (TypeError, ValueError):
+            continue
+        if np.isfinite(score):
+            metric = c.get("metric") or choices.get("metric", "val_acc")
+            chosen[(c["sweep"], c["alpha"])] = (score, metric)
     rows = []
     for sw in plan.sweeps:
         if sw.reference_sweep is None:
             continue
         for alpha in sw.alphas:
             own, ref = chosen.get((sw.name, alpha)), chosen.get((sw.reference_sweep, alpha))
-            if own is None or ref is None:
+            if own is None or ref is None or own[1] != ref[1]:  # one metric on both sides
                 continue
+            sign = 1.0 if own[1] == "personal" or own[1].endswith("acc") else -1.0
             shift = shift_of(sw)
             rows.append({"sweep": sw.name, "alpha": alpha, "reference": sw.reference_sweep,
                          "kind": (shift or {}).get("kind"), "shift": describe(shift),
-                         "val_score": own, "reference_val_score": ref,
-                         "val_gap": sign * (ref - own)})
+                         "metric": own[1], "val_score": own[0],
+                         "reference_val_score": ref[0], "val_gap": sign * (ref[0] - own[0])})
     return rows
 
 
 def match(rows: list[dict]) -> list[dict]:
     """Every concept-shift row with the covariate-shift row of the same reference and alpha
     whose validation gap is nearest (ties: the first in plan order); a covariate row is used
-    once, the concept rows taking theirs in increasing order of gap."""
+    once per alpha, the concept rows taking theirs in increasing order of gap."""
     out, used = [], set()
     concept = sorted((r for r in rows if r["kind"] == "concept"), key=lambda r: r["val_gap"])
     for c in concept:
         cands = [r for r in rows if r["kind"] == "covariate" and r["reference"] == c["reference"]
-                 and r["alpha"] == c["alpha"] and r["sweep"] not in used]
+                 and r["alpha"] == c["alpha"] and (r["sweep"], r["alpha"]) not in used]
         if not cands:
             continue
         best = min(cands, key=lambda r: abs(r["val_gap"] - c["val_gap"]))
-        used.add(best["sweep"])
+        used.add((best["sweep"], best["alpha"]))
         out.append({"concept": c["sweep"], "concept_gap": c["val_gap"],
                     "covariate": best["sweep"], "covariate_shift": best["shift"],
                     "covariate_gap": best["val_gap"], "alpha": c["alpha"],

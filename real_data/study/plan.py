@@ -241,6 +241,16 @@ def _plan(raw, path: Path, out_dir) -> Plan:
     sweeps = tuple(_sweep(sw, f"sweeps[{i}]", seeds) for i, sw in enumerate(raw["sweeps"]))
     names = [sw.name for sw in sweeps]
     _require(len(set(names)) == len(names), "sweeps", "sweep names must be unique")
+    for i, sw in enumerate(sweeps):  # a personal score needs a personal metric in every arm
+        if sw.score != "personal":
+            continue
+        for arm in sw.arms:
+            t0 = [f"algorithm.warmup_rounds={max(arm.warmup_rounds)}", "algorithm.warmup=fixed"
+                  ] if arm.warmup_rounds else []
+            cfg = load_config(sw.config, [*sw.overrides, *arm.overrides, *t0])
+            _require(cfg.eval.clients or cfg.eval.finetune, f"sweeps[{i}].score", "personal "
+                     f"needs every client's own model evaluated: arm {arm.name} sets neither "
+                     "eval.clients=true nor eval.finetune=true")
     by_name = {sw.name: sw for sw in sweeps}
     for i, sw in enumerate(sweeps):
         if sw.reference_sweep is None:
@@ -251,8 +261,16 @@ def _plan(raw, path: Path, out_dir) -> Plan:
                  f"another sweep of the plan; allowed: "
                  f"{', '.join(n for n in names if n != sw.name)}")
         for s_ in (sw, ref):
-            _require(any(a.name == "fedavg" for a in s_.arms), where, f"sweep {s_.name} has "
-                     "no arm named fedavg (difficulty is FedAvg's gap to the reference)")
+            _require(any(a.name == "fedavg" and not a.reference for a in s_.arms), where,
+                     f"sweep {s_.name} has no (non-reference) arm named fedavg (difficulty is "
+                     "FedAvg's gap to the reference)")
+        _require(ref.reference_sweep is None, where, f"{ref.name} has a reference_sweep of "
+                 "its own; the reference must be the data without a shift")
+        _require(set(sw.alphas) <= set(ref.alphas) and set(sw.seeds) <= set(ref.seeds), where,
+                 f"{ref.name} must run every alpha and seed of {sw.name} (alphas "
+                 f"{list(sw.alphas)}, seeds {list(sw.seeds)})")
+        _require(ref.score == sw.score, where, f"{ref.name} has score: {ref.score} and "
+                 f"{sw.name} score: {sw.score}; the gap compares one score")
     _require(isinstance(raw.get("pretrain", []), list), "pretrain", "must be a list")
     jobs = tuple(_pretrain_job(job, f"pretrain[{i}]")
                  for i, job in enumerate(raw.get("pretrain", [])))

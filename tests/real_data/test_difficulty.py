@@ -125,16 +125,19 @@ def test_the_shipped_grid_uses_the_calibrated_spreads():
     (lambda d: d["sweeps"][1].update(reference_sweep="nonee"), "'nonee' is not another sweep"),
     (lambda d: d["sweeps"][1].update(reference_sweep="rotated"), "not another sweep"),
     (lambda d: d["sweeps"][1].update(reference_sweep=3), "reference_sweep"),
-    (lambda d: d["sweeps"][0].update(arms=[{"name": "avg"}]), "sweep none has no arm named"),
+    (lambda d: d["sweeps"][0].update(arms=[{"name": "avg"}]), "sweep none has no"),
+    (lambda d: d["sweeps"][0].update(reference_sweep="rotated"), "has a reference_sweep of"),
+    (lambda d: d["sweeps"][1].update(seeds=[0, 1, 2]), "must run every alpha and seed"),
+    (lambda d: d["sweeps"][1].update(score="personal"), "has score: global"),
 ])
 def test_a_bad_reference_sweep_names_the_key(tmp_path, mutate, said):
     data = yaml.safe_load(yaml.safe_dump(PLAN))
     mutate(data)
-    with pytest.raises(ConfigError, match="reference_sweep") as err:
+    with pytest.raises(ConfigError, match="reference_sweep|score") as err:
         study.load_plan(_write(tmp_path, data), tmp_path / "out")
     assert said in str(err.value)
     res = run_cli("study", "--plan", str(tmp_path / "plan.yaml"), "--out", str(tmp_path / "o"))
-    assert res.returncode == 2 and "reference_sweep" in res.stderr
+    assert res.returncode == 2 and said in res.stderr
     assert not (tmp_path / "o").exists()
 
 
@@ -163,3 +166,20 @@ def test_a_concept_shift_reads_its_own_validation_labels_beside_the_unshifted_da
     want = val(alone)
     assert len(want) == 6  # two rounds x three metrics
     assert val(together) == want and val(tmp_path / "sequential") == want
+
+
+def test_gaps_read_exported_scores_and_match_per_alpha():
+    """An exported choices table holds an infinite score as a string and may lack one: such
+    a sweep has no gap; a covariate sweep serves one concept sweep per alpha."""
+    plan = study.load_plan("shift_fmnist_calibration")
+    scores = {"none": 0.80, "concept_4of10": "-inf", "concept_8of10": 0.50,
+              "rotation_180": 0.49}
+    table = _choices(scores)
+    table["choices"].append({"sweep": "rotation_30", "arm": "fedavg", "alpha": None,
+                             "chosen": {}})
+    rows = difficulty.validation_gaps(plan, table)
+    assert {r["sweep"] for r in rows} == {"concept_8of10", "rotation_180"}
+    two = [{**r, "alpha": a} for r in rows for a in (0.1, 1.0)]
+    pairs = difficulty.match(two)
+    assert [(p["concept"], p["covariate"], p["alpha"]) for p in pairs] == [
+        ("concept_8of10", "rotation_180", 0.1), ("concept_8of10", "rotation_180", 1.0)]

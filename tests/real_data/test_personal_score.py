@@ -143,12 +143,18 @@ def test_a_personal_sweep_is_tuned_and_compared_on_each_clients_own_model(tmp_pa
     assert cmp["arm"] == "fedtp" and float(cmp["diff_mean"]) == pytest.approx(np.mean(d))
 
 
-def test_an_unknown_score_names_the_key(tmp_path):
+@pytest.mark.parametrize("mutate,said", [
+    (lambda sw: sw.update(score="personalised"), "'personalised': allowed global, personal"),
+    (lambda sw: sw["arms"][1]["overrides"].append("eval.clients=false"),
+     "arm fedtp sets neither eval.clients=true nor eval.finetune=true"),
+])
+def test_a_bad_score_names_the_key(tmp_path, mutate, said):
     data = yaml.safe_load(yaml.safe_dump(PLAN))
-    data["sweeps"][0]["score"] = "personalised"
+    mutate(data["sweeps"][0])
     path = tmp_path / "plan.yaml"
     path.write_text(yaml.safe_dump(data))
-    with pytest.raises(ConfigError, match=r"sweeps\[0\]\.score"):
+    with pytest.raises(ConfigError, match=r"sweeps\[0\]\.score") as err:
         study.load_plan(path, tmp_path / "out")
+    assert said in str(err.value)
     res = run_cli("study", "--plan", str(path), "--out", str(tmp_path / "o"))
-    assert res.returncode == 2 and "score" in res.stderr and not (tmp_path / "o").exists()
+    assert res.returncode == 2 and said in res.stderr and not (tmp_path / "o").exists()
