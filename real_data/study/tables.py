@@ -97,14 +97,14 @@ def run_row(run_dir: Path) -> dict | None:
                             if (summary.get("warmup") or {}).get("warmup_rounds") is not None
                             else np.nan),
     }
-    # the personalized score: every client's own model on its own test (validation) samples,
-    # after eval.finetune's local round where the run fine-tunes, else under the run's own
-    # evaluation parameters (mean of the last evaluations, like ``score``)
+    # the personalized score: every client's own model on its own test (validation) samples
+    # at the last round, after eval.finetune's local round where the run fine-tunes (made once,
+    # at the end), else under the run's own evaluation parameters: every arm read at one round
     for key, ft, own in (("personal_score", "local_ft_acc_micro", "local_acc_micro"),
                          ("personal_val_score", "local_ft_val_acc_micro",
                           "local_val_acc_micro")):
         series = m.get(ft) if ft in m else m.get(own)
-        row[key] = float(np.mean(series[-SCORE_LAST:])) if series is not None else np.nan
+        row[key] = float(series[-1]) if series is not None else np.nan
     if status == "diverged":  # no score: counted apart (``compare``'s diverged columns)
         for key in ("final_acc", "best_acc", "score", "val_score", "personal_score",
                     "personal_val_score"):

@@ -52,9 +52,10 @@ from real_data.study.plan import Arm, Plan, Sweep, inside, override_value, run_k
 from real_data.study.runner import run_status
 
 CHOICES_FILE = "choices.json"
-# a sweep with ``score: personal`` is tuned on every client's own validation samples: after
-# eval.finetune's local round where the run fine-tunes (one value, at the end), else under the
-# run's own evaluation parameters (a personalized method's models; the global model otherwise)
+# a sweep with ``score: personal`` is tuned on every client's own validation samples at the
+# last round: after eval.finetune's local round where the run fine-tunes (one value, at the
+# end), else under the run's own evaluation parameters (a personalized method's models; the
+# global model otherwise), its last evaluation, so every arm is read at the same round
 PERSONAL = "personal"
 PERSONAL_METRICS = ("local_ft_val_acc_micro", "local_val_acc_micro")
 
@@ -169,7 +170,7 @@ def choose(plan: Plan, write: bool = True, partial: bool = False) -> dict:
                     for t0 in arm.warmup_rounds or (None,):
                         key = run_key(sw.name, _tuned_arm(arm, i), t0, alpha, tune.seed)
                         score, status = _score(inside(plan.out_dir, key), metric,
-                                               tune.last, head)
+                                               1 if metric == PERSONAL else tune.last, head)
                         if score is None:
                             missing.append(key)
                             continue
