@@ -385,8 +385,9 @@ def _study(argv: list[str]) -> int:
                 paths = study.write_tables(rows, folder, runs)
                 paths += study.write_t0_choice(runs, folder)  # runs with a validation split
                 if stage == "final":
-                    paths += study.write_comparison(runs, folder,
-                                                     bases=study.base_arms(plan))
+                    paths += study.write_comparison(
+                        runs, folder, bases=study.base_arms(plan),
+                        personal=tuple(sw.name for sw in full.sweeps if sw.score == "personal"))
                     # FedAvg's gap to each shift's reference, on validation and on test
                     paths += write_difficulty(full, folder, table, runs)
                     if folder != plan.out_dir / "tables":  # the choices the final runs use

@@ -56,8 +56,8 @@ over seeds (``t0_choice.{csv,md}``).
 A sweep with ``score: personal`` (default ``global``) compares every client's own model: its
 tuning reads each client's own validation samples under the run's model for that client (a
 personalized method's, or the global model after ``eval.finetune``'s local round) at the last
-round, and its score is the same on the clients' test splits, so FedTP meets FedAvg and FedFrozen with local
-fine-tuning on its own metric.
+round, and its score is the same on the clients' test splits, so FedTP meets FedAvg and
+FedFrozen with local fine-tuning on its own metric.
 
 A sweep with ``reference_sweep: <name>`` (a shifted data set beside the same data unshifted)
 gets its difficulty measured: FedAvg's gap to the reference on validation (after tuning) and

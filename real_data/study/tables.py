@@ -358,7 +358,8 @@ def compare_with_bases(runs: list[dict], bases: dict[tuple[str, str], str],
 
 def write_comparison(runs: list[dict], out_dir: Path, against: str = "fedavg",
                      margin: float = 0.01,
-                     bases: dict[tuple[str, str], str] | None = None) -> list[Path]:
+                     bases: dict[tuple[str, str], str] | None = None,
+                     personal: tuple[str, ...] = ()) -> list[Path]:
     """``comparison.{csv,md}``: :func:`compare` of every arm with ``against`` on the score
     (mean test accuracy of the last 5 evaluations), paired by seed; with ``bases``
     (:func:`base_arms`) the markdown adds each such arm against its base arm alone, and
@@ -384,9 +385,14 @@ def write_comparison(runs: list[dict], out_dir: Path, against: str = "fedavg",
                          f"{r['diverged']} / {r['against_diverged']} |")
         return lines
 
-    lines = [f"Score: mean test accuracy of the last {SCORE_LAST} evaluations. Difference to "
-             f"{against} in points, paired by seed, 95% t interval; tie = equivalent within "
-             f"+-{100 * margin:g} point by two one-sided tests at 5%.", "",
+    shown = {r["sweep"] for r in rows}
+    own = [name for name in personal if name in shown]
+    lines = [f"Score: mean test accuracy of the last {SCORE_LAST} evaluations"
+             + (f" ({', '.join(own)}: the personalized accuracy at the last round, every "
+                "client's own model on its own test split, a personalized method's or the "
+                "global model after one local round of fine-tuning)" if own else "")
+             + f". Difference to {against} in points, paired by seed, 95% t interval; tie = "
+             f"equivalent within +-{100 * margin:g} point by two one-sided tests at 5%.", "",
              *table(rows, against)]
     extra = sorted(compare_with_bases(runs, bases, "score", margin), key=row_order) \
         if bases else []

@@ -138,6 +138,8 @@ def test_a_personal_sweep_is_tuned_and_compared_on_each_clients_own_model(tmp_pa
                        else "local_acc_micro")[-1]
         row = rows[(spec.arm.name, spec.seed)]
         assert float(row["score"]) == pytest.approx(want, abs=1e-12)
+    assert "(tp: the personalized accuracy at the last round" in \
+        (tmp_path / "docs" / "comparison.md").read_text()
     (cmp,) = list(csv.DictReader(open(tmp_path / "docs" / "comparison.csv")))
     d = [float(rows[("fedtp", s)]["score"]) - float(rows[("fedavg", s)]["score"]) for s in (0, 1)]
     assert cmp["arm"] == "fedtp" and float(cmp["diff_mean"]) == pytest.approx(np.mean(d))
