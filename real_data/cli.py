@@ -231,6 +231,10 @@ def _study(argv: list[str]) -> int:
     ap.add_argument("--no-tables", action="store_true",
                     help="skip writing the tables (e.g. on a GPU host, before --pack)")
     ap.add_argument("--list", action="store_true", help="list the plan's runs and their status")
+    ap.add_argument("--estimate", action="store_true",
+                    help="print what the selection still costs per sweep: runs, run-rounds and "
+                    "GPU seconds at the pace measured in the plan's finished GPU runs (unpack "
+                    "a --markers archive into out_dir to price a fresh folder); trains nothing")
     ap.add_argument("--no-stack", action="store_true",
                     help="train run groups one after another instead of stacking them "
                     "(stacked groups share each round's engine call; same results up to "
@@ -347,6 +351,19 @@ def _study(argv: list[str]) -> int:
                   f"{args.choices or full.out_dir / study.CHOICES_FILE}")
         else:
             plan, slices = full, args.slice
+        if args.estimate:
+            rows = study.estimate(plan, slices)
+            label = "" if stage == "plain" else f" ({stage})"
+            print(f"study{label}: what is left, per sweep")
+            for r in rows:
+                gpu = "unpriced" if r["gpu_seconds"] is None else f"{r['gpu_seconds']:,.0f} GPU-s"
+                print(f"  {r['sweep']:32s} {r['runs']:5d} runs {r['run_rounds']:8,d} run-rounds "
+                      f"{gpu:>16s} (priced by {r['priced_by']})")
+            total = [r["gpu_seconds"] for r in rows]
+            print(f"  total: {sum(r['runs'] for r in rows)} runs, "
+                  f"{sum(r['run_rounds'] for r in rows):,d} run-rounds"
+                  + (f", {sum(total):,.0f} GPU-s" if rows and None not in total else ""))
+            continue
         if args.list:
             for spec in study.plan_runs(plan):
                 if slices and not any(fnmatch.fnmatch(spec.key, p) for p in slices):
@@ -397,7 +414,7 @@ def _study(argv: list[str]) -> int:
                         paths += study.write_schedule_gains(json.loads(dest.read_text()),
                                                             folder)
                 print(f"wrote {', '.join(str(p) for p in paths)}")
-    if args.list or args.pretrain_only:
+    if args.list or args.pretrain_only or args.estimate:
         return 0
     if args.markers is not None:
         print(f"marked {study.write_markers(plan, args.markers)} finished runs in {args.markers}")

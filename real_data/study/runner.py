@@ -280,6 +280,40 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
     return counts
 
 
+def estimate(plan: Plan, pattern: str | list[str] | None = None) -> list[dict]:
+    """What the selection still costs, per sweep: runs not finished, the run-rounds they train
+    (a T0 family's head all its rounds, each branch the rounds after its T0) and the GPU
+    seconds at the pace measured in the plan's finished GPU runs (:func:`measured_pace`; a
+    sweep not run yet priced by its local work; None without any measured run). The same
+    costs as ``--deadline`` and ``--shard`` use, before stacking (a stacked group trains its
+    runs together; the measured pace is its per-run share)."""
+    patterns = [pattern] if isinstance(pattern, str) else list(pattern or [])
+    specs = [s for s in plan_runs(plan)
+             if not patterns or any(fnmatch.fnmatch(s.key, p) for p in patterns)]
+    pace = measured_pace(plan_runs(plan))
+    families: dict[tuple, list[RunSpec]] = {}
+    for s in specs:
+        families.setdefault((s.sweep.name, s.arm.name, s.alpha, s.seed), []).append(s)
+    rows: dict[str, dict] = {}
+    for family in families.values():
+        finished = frozenset(m.key for m in family if run_status(m.run_dir) in FINAL)
+        left = [m for m in family if m.key not in finished]
+        if not left:
+            continue
+        row = rows.setdefault(family[0].sweep.name, {
+            "sweep": family[0].sweep.name, "runs": 0, "run_rounds": 0,
+            "gpu_seconds": 0.0 if pace else None,
+            "priced_by": "measured" if family[0].sweep.name in pace else
+            ("local work" if pace else "none")})
+        rounds = int(run_config(family[0], None).train.rounds)
+        row["runs"] += len(left)
+        row["run_rounds"] += (0 if family[0].key in finished else rounds) + sum(
+            rounds - (m.warmup_rounds or 0) for m in family[1:] if m.key not in finished)
+        if pace:
+            row["gpu_seconds"] += group_cost(family, pace, finished)
+    return list(rows.values())
+
+
 SAME_SECTIONS = ("seed", "data", "partition", "algorithm", "train", "eval")
 
 

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 import yaml
+from conftest import run_cli
 
 from linattn.errors import ConfigError, UserError
 from real_data import study
@@ -312,6 +313,14 @@ def test_a_slice_not_run_yet_is_priced_by_the_plan_and_a_late_batch_splits(tmp_p
     fresh = [s for s in study.plan_runs(plan) if s.sweep.name == "new"]
     # 3 rounds at 1.0 s per unit of local work, K = 21 being 2 units: 6 s a run
     assert study.batch_cost([[s] for s in fresh], pace) == pytest.approx(4 * 6.0)
+    # what is left, as --estimate prints it: the measured sweep is done, the new one priced
+    (row,) = study.estimate(plan)
+    assert row == {"sweep": "new", "runs": 4, "run_rounds": 12, "gpu_seconds":
+                   pytest.approx(24.0), "priced_by": "local work"}
+    res = run_cli("study", "--plan", str(tmp_path / "plan.yaml"), "--out",
+                  str(tmp_path / "out"), "--estimate")
+    assert res.returncode == 0 and "total: 4 runs, 12 run-rounds, 24 GPU-s" in res.stdout
+    assert not any(s.run_dir.exists() for s in fresh)  # nothing trained
     ran = []
     monkeypatch.setattr(runner, "_run_stacked", lambda batch, counts, log: ran.append(
         sorted(f[0].seed for f in batch)))
