@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import fnmatch
 import json
+import math
 import shutil
 import time
 from pathlib import Path
@@ -25,13 +26,31 @@ from real_data.study.plan import Plan, RunSpec, plan_runs, run_config, run_overr
 FINAL = ("completed", "diverged")  # a diverged run is a result (its status says so), not redone
 
 
-def _local_work(train) -> float:
-    """A round's a-priori cost relative to one of K = 10 local steps, for a run's ``train``
-    section: (1 + K) / 11 (the server update, the evaluation and the bookkeeping cost about one
-    local step's work; the fair study measured a K = 40 run-round at about 3 to 6 times a
-    K = 10 one on an H200). A run that sets its local work in epochs counts 1."""
+# training samples of the shipped image data sets (a run in local epochs counts its steps from
+# them; a data set not listed counts one unit per epoch)
+TRAIN_SAMPLES = {"fmnist": 60000, "mnist": 60000, "cifar10": 50000, "cifar100": 50000,
+                 "digits": 1438}
+REFERENCE_CLIENTS = 50  # a unit of work: a round of 50 clients x K = 10 local steps
+
+
+def _local_work(cfg) -> float:
+    """A round's a-priori cost relative to a round of 50 clients of K = 10 local steps, for a
+    run's config: (clients per round / 50) (1 + K) / 11 (the server update, the evaluation and
+    the bookkeeping cost about one local step's work per client; the fair study measured a
+    K = 40 run-round at about 3 to 6 times a K = 10 one on an H200). A run in local epochs
+    takes K = epochs x its clients' mean minibatches per epoch (training samples of the data
+    set over the clients, less the validation share)."""
+    train, part = cfg.train, cfg.partition
+    clients = min(train.clients_per_round or part.num_clients or REFERENCE_CLIENTS,
+                  part.num_clients or REFERENCE_CLIENTS)
     steps = train.local_steps
-    return 1.0 if steps is None else (1.0 + float(steps)) / 11.0
+    if steps is None:
+        samples = TRAIN_SAMPLES.get(cfg.data.name)
+        if samples is None or not part.num_clients:
+            return clients / REFERENCE_CLIENTS
+        per_client = samples * (1.0 - (part.validation_fraction or 0.0)) / part.num_clients
+        steps = float(train.local_epochs or 1) * math.ceil(per_client / train.batch_size)
+    return clients / REFERENCE_CLIENTS * (1.0 + float(steps)) / 11.0
 
 
 def group_cost(members: list[RunSpec], pace: dict | None = None,
@@ -39,10 +58,11 @@ def group_cost(members: list[RunSpec], pace: dict | None = None,
     """Rounds the group trains, times the seconds per round measured for its (sweep, arm)
     where ``pace`` has them (:func:`measured_pace`; an arm not yet run in this sweep takes the
     sweep's median times the arm's ratio measured elsewhere, a sweep not yet run the overall
-    median times :func:`_local_work`); without ``pace`` one unit per
-    round of K = 10 local steps, scaled by :func:`_local_work` (a reference round, one
-    client, 0.3 of that). Members whose key is in ``skip`` (finished) cost nothing."""
-    train = run_config(members[0], None).train  # one config read for rounds and work
+    median times :func:`_local_work`); without ``pace`` :func:`_local_work` per round (a
+    round of 50 clients of K = 10 local steps is one unit). Members whose key is in ``skip``
+    (finished) cost nothing."""
+    cfg = run_config(members[0], members[0].warmup_rounds)  # one read for rounds and work
+    train = cfg.train
     rounds = int(train.rounds)
     cost = (0 if members[0].key in skip else rounds) + sum(
         rounds - (m.warmup_rounds or 0) for m in members[1:] if m.key not in skip)
@@ -53,12 +73,12 @@ def group_cost(members: list[RunSpec], pace: dict | None = None,
             # ratio to its sweep's median in the other sweeps (FedSQ ~2.3x, SCAFFOLD ~1.6x);
             # a sweep not measured yet: the overall median scaled by its local work
             base = pace[head.sweep.name] if head.sweep.name in pace else \
-                pace["*"] * _local_work(train)
+                pace["*"] * _local_work(cfg)
             per_round = base * pace.get(("*", head.arm.name),
                                         0.3 if head.arm.reference else 1.0)
         return cost * per_round
     # one client: a fraction of a round
-    return cost * (0.3 if head.arm.reference else 1.0) * _local_work(train)
+    return cost * _local_work(cfg)
 
 
 def batch_cost(batch: list[list[RunSpec]], pace: dict | None = None,
@@ -86,7 +106,7 @@ def measured_pace(specs: list[RunSpec], before: float | None = None) -> dict:
             continue
         by_arm.setdefault((s.sweep.name, s.arm.name), []).append(float(sec))
         if s.sweep.name not in work:
-            work[s.sweep.name] = _local_work(run_config(s, s.warmup_rounds).train)
+            work[s.sweep.name] = _local_work(run_config(s, s.warmup_rounds))
     if not by_arm:
         return {}
     pace: dict = {k: float(np.median(v)) for k, v in by_arm.items()}
@@ -305,7 +325,7 @@ def estimate(plan: Plan, pattern: str | list[str] | None = None) -> list[dict]:
             "gpu_seconds": 0.0 if pace else None,
             "priced_by": "measured" if family[0].sweep.name in pace else
             ("local work" if pace else "none")})
-        rounds = int(run_config(family[0], None).train.rounds)
+        rounds = int(run_config(family[0], family[0].warmup_rounds).train.rounds)
         row["runs"] += len(left)
         row["run_rounds"] += (0 if family[0].key in finished else rounds) + sum(
             rounds - (m.warmup_rounds or 0) for m in family[1:] if m.key not in finished)

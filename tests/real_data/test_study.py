@@ -309,9 +309,10 @@ def test_a_slice_not_run_yet_is_priced_by_the_plan_and_a_late_batch_splits(tmp_p
             (spec.run_dir / "summary.json").write_text(json.dumps(
                 {"status": "completed", "seconds_per_round": 1.0, "device": {"type": "cuda"}}))
     pace = study.measured_pace(study.plan_runs(plan))
-    assert pace["*"] == pytest.approx(1.0) and "new" not in pace
+    # per unit of local work (50 clients at K = 10): these runs have 10 clients, 0.2 units
+    assert pace["*"] == pytest.approx(1.0 / 0.2) and "new" not in pace
     fresh = [s for s in study.plan_runs(plan) if s.sweep.name == "new"]
-    # 3 rounds at 1.0 s per unit of local work, K = 21 being 2 units: 6 s a run
+    # 3 rounds at 5.0 s per unit of local work, K = 21 with 10 clients being 0.4 units: 6 s
     assert study.batch_cost([[s] for s in fresh], pace) == pytest.approx(4 * 6.0)
     # what is left, as --estimate prints it: the measured sweep is done, the new one priced
     (row,) = study.estimate(plan)
@@ -394,8 +395,9 @@ def test_measured_pace_weighs_the_pending_split(tmp_path):
     assert pace[("digits", "fast")] == pytest.approx(0.2)
     assert pace["digits"] == pytest.approx(0.4)
     # overall: per unit of local work (K = 10 local steps is one unit)
-    steps = study.run_config(specs[0], None).train.local_steps
-    assert pace["*"] == pytest.approx(0.4 * 11 / (1 + steps))
+    cfg = study.run_config(specs[0], None)
+    clients = min(cfg.train.clients_per_round or 50, cfg.partition.num_clients)
+    assert pace["*"] == pytest.approx(0.4 * 11 / (1 + cfg.train.local_steps) * 50 / clients)
     assert pace[("*", "slow")] == pytest.approx(1.5) and pace[("*", "fast")] == pytest.approx(0.5)
     # an arm measured only in another sweep: that sweep's ratio times this sweep's median
     other = dict(pace, **{"other": 0.1})
@@ -481,7 +483,8 @@ def test_study_workers_share_the_cores(monkeypatch, capsys):
 
 
 def test_the_a_priori_split_weighs_local_steps(tmp_path):
-    """Without a measured pace a round costs (1 + K) / 11 of a K = 10 round: three runs of
+    """Without a measured pace a round costs (clients / 50) (1 + K) / 11 of a round of 50
+    clients at K = 10 (here 10 clients, 0.2 of that): three runs of
     K = 40 and three of K = 2 split by their work (counting rounds alone would put two K = 40
     runs on one shard and one on the other, each beside K = 2 runs); with a measured pace, a
     sweep not run yet takes the overall median times its local work."""
@@ -493,12 +496,12 @@ def test_the_a_priori_split_weighs_local_steps(tmp_path):
                       for k in (40, 2)]
     plan = _plan(tmp_path, data)
     groups = [[s] for s in study.plan_runs(plan)]
-    assert study._group_cost(groups[0]) == pytest.approx(3 * 41 / 11)
-    assert study._group_cost(groups[-1]) == pytest.approx(3 * 3 / 11)
+    assert study._group_cost(groups[0]) == pytest.approx(3 * 0.2 * 41 / 11)
+    assert study._group_cost(groups[-1]) == pytest.approx(3 * 0.2 * 3 / 11)
     shards = [[g[0].sweep.name for g in study.shard_groups(groups, (k, 2))] for k in range(2)]
     assert [sorted(s) for s in shards] == [["k40", "k40"], ["k2", "k2", "k2", "k40"]]
     pace = {"*": 0.5, "k2": 0.1, ("k2", "fedavg"): 0.1, ("*", "fedavg"): 1.0}
-    assert study._group_cost(groups[0], pace) == pytest.approx(3 * 0.5 * 41 / 11)
+    assert study._group_cost(groups[0], pace) == pytest.approx(3 * 0.5 * 0.2 * 41 / 11)
     assert study._group_cost(groups[-1], pace) == pytest.approx(3 * 0.1)
 
 
@@ -517,7 +520,8 @@ def test_a_stacked_batch_costs_every_family_it_holds(tmp_path):
     from real_data.study import runner
 
     assert [[s.warmup_rounds for s in f] for f in batch] == [[2, 0], [2, 0]]
-    work = runner._local_work(study.run_config(batch[0][0], None).train)  # K = 5: 6 / 11
+    work = runner._local_work(study.run_config(batch[0][0], 2))  # 10 clients, K = 5
+    assert work == pytest.approx(10 / 50 * 6 / 11)
     assert study.batch_cost(batch) == pytest.approx(2 * (3 + 3) * work)
     assert study._group_cost([m for f in batch for m in f]) == pytest.approx((3 + 3 + 1 + 3)
                                                                              * work)
