@@ -235,6 +235,9 @@ def _study(argv: list[str]) -> int:
                     help="print what the selection still costs per sweep: runs, run-rounds and "
                     "GPU seconds at the pace measured in the plan's finished GPU runs (unpack "
                     "a --markers archive into out_dir to price a fresh folder); trains nothing")
+    ap.add_argument("--pace-from", metavar="PLAN", default=None,
+                    help="with --estimate: where this plan has no finished GPU run, price it at "
+                    "the pace per unit of local work measured in PLAN's runs")
     ap.add_argument("--no-stack", action="store_true",
                     help="train run groups one after another instead of stacking them "
                     "(stacked groups share each round's engine call; same results up to "
@@ -286,6 +289,8 @@ def _study(argv: list[str]) -> int:
     full = study.load_plan(args.plan, args.out)
     if args.profile:
         return _study_profile(args, full, shard)
+    if args.pace_from is not None and not args.estimate:
+        raise UserError("--pace-from: only with --estimate")
     for flag in ("profile_steps", "profile_lr", "profile_batch_size", "device"):
         if getattr(args, flag) is not None:
             raise UserError(f"--{flag.replace('_', '-')}: only with --profile")
@@ -352,7 +357,8 @@ def _study(argv: list[str]) -> int:
         else:
             plan, slices = full, args.slice
         if args.estimate:
-            rows = study.estimate(plan, slices)
+            rows = study.estimate(plan, slices, None if args.pace_from is None else
+                                  study.load_plan(args.pace_from))
             label = "" if stage == "plain" else f" ({stage})"
             print(f"study{label}: what is left, per sweep")
             for r in rows:

@@ -300,17 +300,26 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
     return counts
 
 
-def estimate(plan: Plan, pattern: str | list[str] | None = None) -> list[dict]:
+def estimate(plan: Plan, pattern: str | list[str] | None = None,
+             pace_plan: Plan | None = None) -> list[dict]:
     """What the selection still costs, per sweep: runs not finished, the run-rounds they train
     (a T0 family's head all its rounds, each branch the rounds after its T0) and the GPU
     seconds at the pace measured in the plan's finished GPU runs (:func:`measured_pace`; a
     sweep not run yet priced by its local work; None without any measured run). The same
     costs as ``--deadline`` and ``--shard`` use, before stacking (a stacked group trains its
-    runs together; the measured pace is its per-run share)."""
+    runs together; the measured pace is its per-run share). ``pace_plan``: where this plan
+    has no finished GPU run, the overall pace per unit of local work (and the arms' ratios)
+    measured in that plan's runs prices every sweep."""
     patterns = [pattern] if isinstance(pattern, str) else list(pattern or [])
     specs = [s for s in plan_runs(plan)
              if not patterns or any(fnmatch.fnmatch(s.key, p) for p in patterns)]
     pace = measured_pace(plan_runs(plan))
+    borrowed = False
+    if not pace and pace_plan is not None:
+        other = measured_pace(plan_runs(pace_plan))
+        pace = {k: v for k, v in other.items() if k == "*" or (isinstance(k, tuple)
+                                                              and k[0] == "*")}
+        borrowed = bool(pace)
     families: dict[tuple, list[RunSpec]] = {}
     for s in specs:
         families.setdefault((s.sweep.name, s.arm.name, s.alpha, s.seed), []).append(s)
@@ -324,7 +333,8 @@ def estimate(plan: Plan, pattern: str | list[str] | None = None) -> list[dict]:
             "sweep": family[0].sweep.name, "runs": 0, "run_rounds": 0,
             "gpu_seconds": 0.0 if pace else None,
             "priced_by": "measured" if family[0].sweep.name in pace else
-            ("local work" if pace else "none")})
+            (f"local work at {pace_plan.name}'s pace" if borrowed else
+             "local work" if pace else "none")})
         rounds = int(run_config(family[0], family[0].warmup_rounds).train.rounds)
         row["runs"] += len(left)
         row["run_rounds"] += (0 if family[0].key in finished else rounds) + sum(

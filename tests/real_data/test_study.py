@@ -322,6 +322,13 @@ def test_a_slice_not_run_yet_is_priced_by_the_plan_and_a_late_batch_splits(tmp_p
                   str(tmp_path / "out"), "--estimate")
     assert res.returncode == 0 and "total: 4 runs, 12 run-rounds, 24 GPU-s" in res.stdout
     assert not any(s.run_dir.exists() for s in fresh)  # nothing trained
+    # a fresh folder of the plan: unpriced, or priced at another plan's measured pace
+    blank = study.load_plan(tmp_path / "plan.yaml", tmp_path / "blank")
+    assert {r["gpu_seconds"] for r in study.estimate(blank)} == {None}
+    priced = {r["sweep"]: r for r in study.estimate(blank, pace_plan=plan)}
+    assert priced["new"]["gpu_seconds"] == pytest.approx(24.0)
+    assert priced["digits"]["gpu_seconds"] == pytest.approx(4 * 3 * 5.0 * 0.2)
+    assert priced["new"]["priced_by"] == "local work at tiny's pace"
     ran = []
     monkeypatch.setattr(runner, "_run_stacked", lambda batch, counts, log: ran.append(
         sorted(f[0].seed for f in batch)))
