@@ -11,8 +11,12 @@ same reference whose validation gap is nearest (a calibration plan such as
 
 from __future__ import annotations
 
-import numpy as np
+from pathlib import Path
 
+import numpy as np
+import yaml
+
+from linattn.fileio import atomic_write_text
 from real_data.study.plan import Plan, override_value
 from real_data.study.tables import write_csv
 
@@ -26,8 +30,6 @@ def shift_of(sweep) -> dict | None:
         return None
     if isinstance(raw, dict):
         return raw
-    import yaml
-
     return yaml.safe_load(raw)
 
 
@@ -137,8 +139,6 @@ def write_difficulty(plan: Plan, folder, choices: dict | None = None,
     """``difficulty.{csv,md}`` in ``folder``: the validation gaps (with ``choices``) and the
     matched pairs, and the final runs' test gaps (with ``runs``); nothing without a reference
     sweep in the plan."""
-    from pathlib import Path
-
     if not any(sw.reference_sweep for sw in plan.sweeps):
         return []
     folder = Path(folder)
@@ -182,7 +182,5 @@ def write_difficulty(plan: Plan, folder, choices: dict | None = None,
     csv_path, md_path = folder / "difficulty.csv", folder / "difficulty.md"
     keys = list(dict.fromkeys(k for r in rows for k in r))  # one header for the three tables
     write_csv([{k: r.get(k, "") for k in keys} for r in rows], csv_path)
-    from linattn.fileio import atomic_write_text
-
     atomic_write_text(md_path, "\n".join(lines) + "\n")
     return [csv_path, md_path]
