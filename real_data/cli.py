@@ -440,13 +440,19 @@ def _budget_options(ap, prefix: str, lead: str, whose: str) -> None:
                     help=f"{lead}minibatch steps N of Phi's budget (default 4000; the check "
                     "trains to 2N)")
     ap.add_argument(f"{prefix}lr", type=float, default=None,
-                    help=f"{lead}Phi's step size (default: {whose} train.lr)")
+                    help=f"{lead}Phi's step size (default: {whose} train.lr with "
+                    f"{prefix}optimizer sgd, 0.001 with adam)")
     ap.add_argument(f"{prefix}batch-size", type=int, default=None,
                     help=f"{lead}Phi's batch size (default: {whose} train.batch_size)")
     ap.add_argument(f"{prefix}schedule", default="constant",
                     help=f"{lead}Phi's step size over the budget: constant, or cosine (from "
                     "the step size to 0 over N steps; the check trains 2N steps of its own); "
                     "default constant")
+    ap.add_argument(f"{prefix}optimizer", default="sgd",
+                    help=f"{lead}Phi's optimizer: sgd ({whose} optimizer settings: "
+                    "train.optimizer, train.momentum, train.weight_decay) or adam "
+                    "(torch.optim.Adam, betas 0.9/0.999, eps 1e-8, the run's weight decay); "
+                    "both clip as the run does (train.clip_grad_norm); default sgd")
 
 
 def _budget(args, prefix: str, seed: int | None = None):
@@ -456,7 +462,8 @@ def _budget(args, prefix: str, seed: int | None = None):
     steps = getattr(args, f"{prefix}steps")
     return Budget(DEFAULT_STEPS if steps is None else steps, getattr(args, f"{prefix}lr"),
                   getattr(args, f"{prefix}batch_size"), seed,
-                  schedule=getattr(args, f"{prefix}schedule"))
+                  schedule=getattr(args, f"{prefix}schedule"),
+                  optimizer=getattr(args, f"{prefix}optimizer"))
 
 
 def _profile(argv: list[str]) -> int:
@@ -466,7 +473,8 @@ def _profile(argv: list[str]) -> int:
         "kernel M of a snapshot, every other parameter trained from the run's initial "
         "parameters on the pooled training data (all clients' training samples; the run's "
         "validation split held out), Phi = the validation loss after --steps minibatch steps "
-        "(the run's optimizer, train.lr and train.batch_size unless given). Each kernel is "
+        "(the run's optimizer, train.lr and train.batch_size unless given; --optimizer adam: "
+        "Adam at --lr, default 0.001). Each kernel is "
         "also trained to twice the budget and the relative change of Phi is reported "
         "(converged: below 1 percent). The run must hold out a validation split "
         "(partition.validation_fraction).")

@@ -13,10 +13,13 @@ Phi depends on M alone, for a given run config:
   round-0 global model: the model built from ``seeds.training``, after ``train.init_from`` or
   the algorithm's own initialization), whatever the snapshot holding M carries for them;
 - the budget is fixed (:class:`Budget`): ``steps`` minibatch steps of ``batch_size`` samples
-  (default: the run's ``train.batch_size``) with the run's optimizer (``train.optimizer``,
-  ``train.momentum``, ``train.weight_decay``, ``train.clip_grad_norm``) at the step size
-  ``lr`` (default: the run's ``train.lr``; the run's own learning-rate schedule is not
-  applied), either constant or (``schedule="cosine"``) decayed as
+  (default: the run's ``train.batch_size``) with the budget's optimizer: ``"sgd"`` (the
+  default), the run's own optimizer (``train.optimizer``, ``train.momentum``,
+  ``train.weight_decay``, ``train.clip_grad_norm``) at the step size ``lr`` (default: the
+  run's ``train.lr``; the run's own learning-rate schedule is not applied); or ``"adam"``,
+  ``torch.optim.Adam`` (betas 0.9/0.999, eps 1e-8, the run's ``train.weight_decay`` and
+  ``train.clip_grad_norm``) at the step size ``lr`` (default 1e-3). The step size is either
+  constant or (``schedule="cosine"``) decayed as
   ``lr * (1 + cos(pi * t / steps)) / 2`` at step t = 0 .. steps - 1, so the budget ends at a
   step size near 0 and Phi approaches the minimum over the other parameters instead of
   stopping at the noise level of a constant step;
@@ -62,6 +65,8 @@ PROFILE_STREAM = 20231  # the minibatch stream's second seed word (apart from tr
 TOLERANCE = 0.01  # the doubled-budget check: relative change of Phi below 1%
 DEFAULT_STEPS = 4000
 SCHEDULES = ("constant", "cosine")
+OPTIMIZERS = ("sgd", "adam")
+ADAM_LR = 1e-3  # Adam's step size when the budget names none
 
 
 @dataclass(frozen=True)
@@ -73,7 +78,8 @@ class Budget:
     steps : int
         Minibatch steps N (Phi is read at N; the check at 2N).
     lr : float or None
-        Constant step size; ``None``: the run's ``train.lr``.
+        Step size (the schedule's start); ``None``: the run's ``train.lr`` for ``"sgd"``,
+        :data:`ADAM_LR` for ``"adam"``.
     batch_size : int or None
         Samples per step; ``None``: the run's ``train.batch_size``.
     seed : int or None
@@ -83,6 +89,10 @@ class Budget:
     schedule : {"constant", "cosine"}
         The step size over the budget: constant, or a cosine from ``lr`` to 0 over ``steps``
         (the module docstring).
+    optimizer : {"sgd", "adam"}
+        ``"sgd"``: the run's optimizer settings (``train.optimizer``, ``train.momentum``,
+        ``train.weight_decay``); ``"adam"``: ``torch.optim.Adam`` (betas 0.9/0.999, eps 1e-8,
+        the run's weight decay). Both clip as the run does (``train.clip_grad_norm``).
     """
 
     steps: int = DEFAULT_STEPS
@@ -91,6 +101,7 @@ class Budget:
     seed: int | None = None
     check: bool = True
     schedule: str = "constant"
+    optimizer: str = "sgd"
 
     def __post_init__(self) -> None:
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
@@ -104,6 +115,9 @@ class Budget:
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"--schedule (--profile-schedule) {self.schedule!r}: must be one "
                               f"of {', '.join(SCHEDULES)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"--optimizer (--profile-optimizer) {self.optimizer!r}: must be "
+                              f"one of {', '.join(OPTIMIZERS)}")
 
     def step_size(self, lr: float, step: int, horizon: int) -> float:
         """The step size of step ``step`` (0-based) of a training of ``horizon`` steps."""
@@ -122,6 +136,8 @@ class Budget:
             parts.append(f"seed{self.seed}")
         if self.schedule != "constant":
             parts.append(self.schedule)
+        if self.optimizer != "sgd":
+            parts.append(self.optimizer)
         return "_".join(parts)
 
 
@@ -259,11 +275,16 @@ def _profile_many(setup: ProfileSetup, kernels: list[tuple[str, object]], budget
     shapes = {n: tuple(t.shape) for n, t in setup.init.items()}
     loaded = [load_kernel(src, setup.qk_names, shapes) for _, src in kernels]
     t = cfg.train
-    lr = t.lr if budget.lr is None else budget.lr
+    adam = budget.optimizer == "adam"
+    lr = (ADAM_LR if adam else t.lr) if budget.lr is None else budget.lr
     bs = t.batch_size if budget.batch_size is None else budget.batch_size
     seed = cfg.role_seed("training") if budget.seed is None else budget.seed
-    spec = OptimizerSpec(name=t.optimizer, lr=lr, momentum=t.momentum,
-                         weight_decay=t.weight_decay, clip_grad_norm=t.clip_grad_norm)
+    if adam:
+        spec = OptimizerSpec(name="adam", lr=lr, momentum=0.0, weight_decay=t.weight_decay,
+                             clip_grad_norm=t.clip_grad_norm)
+    else:
+        spec = OptimizerSpec(name=t.optimizer, lr=lr, momentum=t.momentum,
+                             weight_decay=t.weight_decay, clip_grad_norm=t.clip_grad_norm)
     frozen = set(setup.qk_names)
     c = len(kernels)
     device, dtype = fed.device, next(iter(setup.init.values())).dtype
@@ -325,12 +346,14 @@ def _profile_many(setup: ProfileSetup, kernels: list[tuple[str, object]], budget
         rec = {"kernel": label or (str(src) if not isinstance(src, dict) else ""),
                "kernel_round": rnd, "phi": reads[0][i][0], "val_acc": reads[0][i][1],
                "steps": budget.steps, "lr": lr, "schedule": budget.schedule,
-               "batch_size": bs, "optimizer": t.optimizer,
-               "momentum": t.momentum, "weight_decay": t.weight_decay,
+               "batch_size": bs, "optimizer": spec.name,
+               "momentum": spec.momentum, "weight_decay": spec.weight_decay,
                "clip_grad_norm": t.clip_grad_norm, "seed": seed,
                "train_samples": int(len(setup.pooled)), "val_samples": int(len(fed.y_val)),
                "phi_doubled": None, "val_acc_doubled": None, "relative_change": None,
                "converged": None, "stacked": c, "seconds": seconds}
+        if adam:
+            rec.update(betas=list(spec.betas), eps=spec.eps)
         if budget.check:
             if len(reads) > 1 and np.isfinite(reads[0][i][0]):
                 phi, twice = reads[0][i][0], reads[1][i][0]

@@ -232,13 +232,15 @@ def write_kernel_profile(rows: list[dict], out_dir: Path, budget=None,
     meta = {"budget": None if budget is None else {"steps": budget.steps, "lr": budget.lr,
                                                    "batch_size": budget.batch_size,
                                                    "seed": budget.seed,
-                                                   "schedule": budget.schedule},
+                                                   "schedule": budget.schedule,
+                                                   "optimizer": budget.optimizer},
             "phi_best": BEST_RULE, "rows": rows, "summary": summary,
             "t0_choice": t0_choice or []}
     atomic_write_text(paths[1], json.dumps(meta, indent=1))
     steps = "" if budget is None else (
         f" after {budget.steps} steps (check: {2 * budget.steps})"
-        + ("" if budget.schedule == "constant" else f", {budget.schedule} step size"))
+        + ("" if budget.schedule == "constant" else f", {budget.schedule} step size")
+        + ("" if budget.optimizer == "sgd" else f", {budget.optimizer}"))
     lines = [f"Phi: validation loss with Q/K frozen, the rest trained on the pooled training "
              f"data{steps}. bias = Phi(M_ref,T0) - Phi_best, drift = Phi(M_T0) - "
              f"Phi(M_ref,T0); {BEST_RULE}. Mean +- std over seeds; converged: seeds whose "
