@@ -441,18 +441,18 @@ def _budget_options(ap, prefix: str, lead: str, whose: str) -> None:
                     "trains to 2N)")
     ap.add_argument(f"{prefix}lr", type=float, default=None,
                     help=f"{lead}Phi's step size (default: {whose} train.lr with "
-                    f"{prefix}optimizer sgd, 0.001 with adam)")
+                    f"{prefix}optimizer run, 0.001 with adam)")
     ap.add_argument(f"{prefix}batch-size", type=int, default=None,
                     help=f"{lead}Phi's batch size (default: {whose} train.batch_size)")
     ap.add_argument(f"{prefix}schedule", default="constant",
                     help=f"{lead}Phi's step size over the budget: constant, or cosine (from "
                     "the step size to 0 over N steps; the check trains 2N steps of its own); "
                     "default constant")
-    ap.add_argument(f"{prefix}optimizer", default="sgd",
-                    help=f"{lead}Phi's optimizer: sgd ({whose} optimizer settings: "
+    ap.add_argument(f"{prefix}optimizer", default="run",
+                    help=f"{lead}Phi's optimizer: run ({whose} own optimizer settings: "
                     "train.optimizer, train.momentum, train.weight_decay) or adam "
                     "(torch.optim.Adam, betas 0.9/0.999, eps 1e-8, the run's weight decay); "
-                    "both clip as the run does (train.clip_grad_norm); default sgd")
+                    "both clip as the run does (train.clip_grad_norm); default run")
 
 
 def _budget(args, prefix: str, seed: int | None = None):

@@ -13,7 +13,7 @@ Phi depends on M alone, for a given run config:
   round-0 global model: the model built from ``seeds.training``, after ``train.init_from`` or
   the algorithm's own initialization), whatever the snapshot holding M carries for them;
 - the budget is fixed (:class:`Budget`): ``steps`` minibatch steps of ``batch_size`` samples
-  (default: the run's ``train.batch_size``) with the budget's optimizer: ``"sgd"`` (the
+  (default: the run's ``train.batch_size``) with the budget's optimizer: ``"run"`` (the
   default), the run's own optimizer (``train.optimizer``, ``train.momentum``,
   ``train.weight_decay``, ``train.clip_grad_norm``) at the step size ``lr`` (default: the
   run's ``train.lr``; the run's own learning-rate schedule is not applied); or ``"adam"``,
@@ -65,7 +65,7 @@ PROFILE_STREAM = 20231  # the minibatch stream's second seed word (apart from tr
 TOLERANCE = 0.01  # the doubled-budget check: relative change of Phi below 1%
 DEFAULT_STEPS = 4000
 SCHEDULES = ("constant", "cosine")
-OPTIMIZERS = ("sgd", "adam")
+OPTIMIZERS = ("run", "adam")
 ADAM_LR = 1e-3  # Adam's step size when the budget names none
 
 
@@ -78,7 +78,7 @@ class Budget:
     steps : int
         Minibatch steps N (Phi is read at N; the check at 2N).
     lr : float or None
-        Step size (the schedule's start); ``None``: the run's ``train.lr`` for ``"sgd"``,
+        Step size (the schedule's start); ``None``: the run's ``train.lr`` for ``"run"``,
         :data:`ADAM_LR` for ``"adam"``.
     batch_size : int or None
         Samples per step; ``None``: the run's ``train.batch_size``.
@@ -89,8 +89,8 @@ class Budget:
     schedule : {"constant", "cosine"}
         The step size over the budget: constant, or a cosine from ``lr`` to 0 over ``steps``
         (the module docstring).
-    optimizer : {"sgd", "adam"}
-        ``"sgd"``: the run's optimizer settings (``train.optimizer``, ``train.momentum``,
+    optimizer : {"run", "adam"}
+        ``"run"``: the run's optimizer settings (``train.optimizer``, ``train.momentum``,
         ``train.weight_decay``); ``"adam"``: ``torch.optim.Adam`` (betas 0.9/0.999, eps 1e-8,
         the run's weight decay). Both clip as the run does (``train.clip_grad_norm``).
     """
@@ -101,7 +101,7 @@ class Budget:
     seed: int | None = None
     check: bool = True
     schedule: str = "constant"
-    optimizer: str = "sgd"
+    optimizer: str = "run"
 
     def __post_init__(self) -> None:
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
@@ -136,7 +136,7 @@ class Budget:
             parts.append(f"seed{self.seed}")
         if self.schedule != "constant":
             parts.append(self.schedule)
-        if self.optimizer != "sgd":
+        if self.optimizer != "run":
             parts.append(self.optimizer)
         return "_".join(parts)
 

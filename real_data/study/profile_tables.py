@@ -240,7 +240,7 @@ def write_kernel_profile(rows: list[dict], out_dir: Path, budget=None,
     steps = "" if budget is None else (
         f" after {budget.steps} steps (check: {2 * budget.steps})"
         + ("" if budget.schedule == "constant" else f", {budget.schedule} step size")
-        + ("" if budget.optimizer == "sgd" else f", {budget.optimizer}"))
+        + ("" if budget.optimizer == "run" else f", {budget.optimizer}"))
     lines = [f"Phi: validation loss with Q/K frozen, the rest trained on the pooled training "
              f"data{steps}. bias = Phi(M_ref,T0) - Phi_best, drift = Phi(M_T0) - "
              f"Phi(M_ref,T0); {BEST_RULE}. Mean +- std over seeds; converged: seeds whose "

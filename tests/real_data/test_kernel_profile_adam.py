@@ -1,6 +1,6 @@
 """The kernel profile's Adam budget (``Budget.optimizer="adam"``, ``linattn profile
 --optimizer adam``): Phi equals a plain torch loop with ``torch.optim.Adam`` in float64, and the
-default budget (``"sgd"``: the run's optimizer) is the one it always was."""
+default budget (``"run"``: the run's own optimizer) is the one it always was."""
 
 from __future__ import annotations
 
@@ -124,9 +124,9 @@ def test_adam_phi_equals_a_plain_torch_adam_loop(run64, schedule):
 def test_the_default_budget_is_the_runs_optimizer_unchanged(run64):
     setup = run_setup(run64)
     snap = run64 / "checkpoints" / "round_3.pt"
-    assert Budget().optimizer == "sgd"
+    assert Budget().optimizer == "run"
     default = setup.phi(snap, Budget(STEPS))
-    named = setup.phi(snap, Budget(STEPS, optimizer="sgd"))
+    named = setup.phi(snap, Budget(STEPS, optimizer="run"))
     assert {k: v for k, v in default.items() if k != "seconds"} == \
         {k: v for k, v in named.items() if k != "seconds"}
     assert "betas" not in default and default["optimizer"] == "sgd"
@@ -135,7 +135,7 @@ def test_the_default_budget_is_the_runs_optimizer_unchanged(run64):
     assert default["phi"] == pytest.approx(phi, rel=1e-10, abs=1e-10)
     assert default["val_acc"] == pytest.approx(acc, abs=1e-12)
     # the profile cache's key is the one it was for the default; Adam's is its own
-    assert Budget(STEPS).tag() == Budget(STEPS, optimizer="sgd").tag() == f"steps{STEPS}"
+    assert Budget(STEPS).tag() == Budget(STEPS, optimizer="run").tag() == f"steps{STEPS}"
     assert Budget(STEPS, schedule="cosine", optimizer="adam").tag() == \
         f"steps{STEPS}_cosine_adam"
     with pytest.raises(ConfigError, match="--optimizer"):
