@@ -184,6 +184,7 @@ def _study(argv: list[str]) -> int:
 
     from linattn.errors import UserError
     from real_data import study
+    from real_data.study.difficulty import write_difficulty
 
     ap = argparse.ArgumentParser(
         prog="linattn study",
@@ -391,8 +392,6 @@ def _study(argv: list[str]) -> int:
             failed += counts.get("failed", 0)
         if not args.no_tables and stage == "tune" and any(sw.reference_sweep
                                                           for sw in full.sweeps):
-            from real_data.study.difficulty import write_difficulty
-
             table = study.choose(full, False, partial=True)  # what has finished so far
             for folder in [full.out_dir / "tables", *([args.export] if args.export else [])]:
                 paths = write_difficulty(full, folder, choices=table)
@@ -400,8 +399,6 @@ def _study(argv: list[str]) -> int:
                     paths.append(study.export_choices(full, folder, table))
                 print(f"wrote {', '.join(str(p) for p in paths)}")
         if not args.no_tables and stage != "tune":
-            from real_data.study.difficulty import write_difficulty
-
             runs = study.run_rows(plan)
             rows = study.aggregate(plan, runs)
             for folder in [plan.out_dir / "tables", *([args.export] if args.export else [])]:

@@ -482,19 +482,26 @@ class Federation:
         """Correct predictions over every client's own validation samples, each client under
         its evaluation parameters (a personalized method's own model; the global model
         otherwise, where this is ``val_acc``): the personalized score a tuning reads."""
-        algo, bs = self.algorithm, self.cfg.eval.batch_size
-        h_all = pooled_hits.cpu().numpy()
+        algo = self.algorithm
+        return self._own_validation_micro(
+            lambda m: algo.eval_params(m, state.global_params, state.client_state,
+                                       state.server_state), algo.forward, pooled_hits)
+
+    def _own_validation_micro(self, params_of, forward, pooled_hits=None) -> float:
+        """Accuracy over all clients' own validation samples (the pooled split's client-order
+        slices), client m under ``params_of(m)`` through ``forward``; where that is None, the
+        global model's per-sample ``pooled_hits``."""
+        h_all = None if pooled_hits is None else pooled_hits.cpu().numpy()
         correct, start = 0.0, 0
         for m, idx in enumerate(self.partition.val):
             n = len(idx)
-            own = algo.eval_params(m, state.global_params, state.client_state,
-                                   state.server_state) if n else None
+            own = params_of(m) if n else None
             if own is None:
-                correct += float(h_all[start:start + n].sum())
+                correct += float(h_all[start:start + n].sum()) if n else 0.0
             else:
-                _, h = evaluate(lambda xb, p=own: algo.forward(self.model, p, xb),
-                                self.x_val[start:start + n], self.y_val[start:start + n], bs,
-                                self.autocast)
+                _, h = evaluate(lambda xb, p=own: forward(self.model, p, xb),
+                                self.x_val[start:start + n], self.y_val[start:start + n],
+                                self.cfg.eval.batch_size, self.autocast)
                 correct += float(h.sum())
             start += n
         return correct / max(start, 1)
@@ -543,19 +550,7 @@ class Federation:
                 _, h = evaluate(lambda xb, p=p: plain.forward(self.model, p, xb),
                                 self.x_test[ix], self.y_test[ix], bs, self.autocast)
                 acc[m] = float(h.mean())
-        val = None
-        if self.x_val is not None:
-            correct, start = 0.0, 0
-            for m, idx in enumerate(self.partition.val):
-                n = len(idx)
-                if n:
-                    p = own(m)
-                    _, h = evaluate(lambda xb, p=p: plain.forward(self.model, p, xb),
-                                    self.x_val[start:start + n], self.y_val[start:start + n],
-                                    bs, self.autocast)
-                    correct += float(h.sum())
-                start += n
-            val = correct / max(start, 1)
+        val = None if self.x_val is None else self._own_validation_micro(own, plain.forward)
         return acc, val
 
     def _step_flops(self, trainable: tuple[str, ...], stage: str = "full") -> int:

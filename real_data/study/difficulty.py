@@ -14,23 +14,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import yaml
 
+from linattn.configio import parse_overrides
 from linattn.fileio import atomic_write_text
-from real_data.study.plan import Plan, override_value
-from real_data.study.tables import write_csv
+from real_data.study.plan import Plan
+from real_data.study.tables import t_interval, write_csv
 
 AGAINST = "fedavg"
 
 
 def shift_of(sweep) -> dict | None:
     """The sweep's ``partition.shift`` as a mapping (None without one)."""
-    raw = override_value(sweep.overrides, "partition.shift")
-    if raw is None:
-        return None
-    if isinstance(raw, dict):
-        return raw
-    return yaml.safe_load(raw)
+    values = dict(parse_overrides(list(sweep.overrides)))  # as a run's config reads them
+    return values.get("partition.shift")
 
 
 def describe(shift: dict | None) -> str:
@@ -99,8 +95,6 @@ def test_gaps(plan: Plan, runs: list[dict], metric: str = "score",
               level: float = 0.95) -> list[dict]:
     """Per sweep with a reference and alpha: FedAvg's final score against the reference's
     FedAvg, paired by seed: the mean gap (reference minus sweep), its t interval, n."""
-    from scipy import stats
-
     score = {(r["sweep"], r["alpha"], r["seed"]): r.get(metric) for r in runs
              if r["arm"] == AGAINST and r["warmup_rounds"] is None}
     rows = []
@@ -119,18 +113,14 @@ def test_gaps(plan: Plan, runs: list[dict], metric: str = "score",
                 ref_all.append(ref)
             if not d:
                 continue
-            arr = np.asarray(d, dtype=np.float64)
-            lo = hi = None
-            if arr.size > 1:
-                se = arr.std(ddof=1) / np.sqrt(arr.size)
-                t = stats.t.ppf(0.5 + level / 2, arr.size - 1)
-                lo, hi = float(arr.mean() - t * se), float(arr.mean() + t * se)
+            gap, _, half = t_interval(d, level)
             shift = shift_of(sw)
             rows.append({"sweep": sw.name, "alpha": alpha, "reference": sw.reference_sweep,
                          "kind": (shift or {}).get("kind"), "shift": describe(shift),
-                         "n": int(arr.size), "score": float(np.mean(own_all)),
-                         "reference_score": float(np.mean(ref_all)),
-                         "gap": float(arr.mean()), "gap_low": lo, "gap_high": hi})
+                         "n": len(d), "score": float(np.mean(own_all)),
+                         "reference_score": float(np.mean(ref_all)), "gap": gap,
+                         "gap_low": None if half is None else gap - half,
+                         "gap_high": None if half is None else gap + half})
     return rows
 
 

@@ -19,6 +19,10 @@ from real_data.config import Config, load_config
 from real_data.schema import check_name
 
 SCORES = ("global", "personal")
+# a personal score's metric per split, the fine-tuned models' where the run fine-tunes, else
+# the run's own evaluation models' (real_data.federation records both)
+PERSONAL_METRICS = {"test": ("local_ft_acc_micro", "local_acc_micro"),
+                    "val": ("local_ft_val_acc_micro", "local_val_acc_micro")}
 
 
 @dataclass(frozen=True)

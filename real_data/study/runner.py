@@ -53,6 +53,22 @@ def _local_work(cfg) -> float:
     return clients / REFERENCE_CLIENTS * (1.0 + float(steps)) / 11.0
 
 
+def families(specs: list[RunSpec]) -> list[list[RunSpec]]:
+    """The specs grouped by (sweep, arm, alpha, seed): a T0 family (its head, the largest T0,
+    first) or a single run, in plan order."""
+    out: dict[tuple, list[RunSpec]] = {}
+    for s in specs:
+        out.setdefault((s.sweep.name, s.arm.name, s.alpha, s.seed), []).append(s)
+    return list(out.values())
+
+
+def rounds_left(members: list[RunSpec], rounds: int, skip: frozenset = frozenset()) -> int:
+    """Run-rounds a family still trains: its head all ``rounds``, each branch the rounds after
+    its T0; members in ``skip`` (finished) none."""
+    return (0 if members[0].key in skip else rounds) + sum(
+        rounds - (m.warmup_rounds or 0) for m in members[1:] if m.key not in skip)
+
+
 def group_cost(members: list[RunSpec], pace: dict | None = None,
                 skip: frozenset = frozenset()) -> float:
     """Rounds the group trains, times the seconds per round measured for its (sweep, arm)
@@ -62,10 +78,7 @@ def group_cost(members: list[RunSpec], pace: dict | None = None,
     round of 50 clients of K = 10 local steps is one unit). Members whose key is in ``skip``
     (finished) cost nothing."""
     cfg = run_config(members[0], members[0].warmup_rounds)  # one read for rounds and work
-    train = cfg.train
-    rounds = int(train.rounds)
-    cost = (0 if members[0].key in skip else rounds) + sum(
-        rounds - (m.warmup_rounds or 0) for m in members[1:] if m.key not in skip)
+    cost = rounds_left(members, int(cfg.train.rounds), skip)
     head = members[0]
     if pace:
         per_round = pace.get((head.sweep.name, head.arm.name))
@@ -231,10 +244,7 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
     # that already exists must hold the run the plan now asks for
     for s in specs:
         check_existing(s, run_config(s, s.warmup_rounds))
-    groups: dict[tuple, list[RunSpec]] = {}
-    for s in specs:
-        groups.setdefault((s.sweep.name, s.arm.name, s.alpha, s.seed), []).append(s)
-    todo = list(groups.values())
+    todo = families(specs)
     before = None if isinstance(pending, bool) else float(pending)
     done_then = frozenset(m.key for g in todo for m in g if _finished_before(m.run_dir, before)) \
         if pending is not False else frozenset()
@@ -320,11 +330,8 @@ def estimate(plan: Plan, pattern: str | list[str] | None = None,
         pace = {k: v for k, v in other.items() if k == "*" or (isinstance(k, tuple)
                                                               and k[0] == "*")}
         borrowed = bool(pace)
-    families: dict[tuple, list[RunSpec]] = {}
-    for s in specs:
-        families.setdefault((s.sweep.name, s.arm.name, s.alpha, s.seed), []).append(s)
     rows: dict[str, dict] = {}
-    for family in families.values():
+    for family in families(specs):
         finished = frozenset(m.key for m in family if run_status(m.run_dir) in FINAL)
         left = [m for m in family if m.key not in finished]
         if not left:
@@ -337,8 +344,7 @@ def estimate(plan: Plan, pattern: str | list[str] | None = None,
              "local work" if pace else "none")})
         rounds = int(run_config(family[0], family[0].warmup_rounds).train.rounds)
         row["runs"] += len(left)
-        row["run_rounds"] += (0 if family[0].key in finished else rounds) + sum(
-            rounds - (m.warmup_rounds or 0) for m in family[1:] if m.key not in finished)
+        row["run_rounds"] += rounds_left(family, rounds, finished)
         if pace:
             row["gpu_seconds"] += group_cost(family, pace, finished)
     return list(rows.values())

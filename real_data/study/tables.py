@@ -16,8 +16,16 @@ import numpy as np
 
 from linattn.configio import load_yaml
 from linattn.fileio import atomic_path, atomic_write_text
-from real_data.study.plan import Arm, Plan, RunSpec, Sweep, override_value, plan_runs, run_key
-from real_data.study.runner import FINAL, run_status
+from real_data.study.plan import (
+    PERSONAL_METRICS,
+    Arm,
+    Plan,
+    Sweep,
+    override_value,
+    plan_runs,
+    run_key,
+)
+from real_data.study.runner import FINAL, families, run_status
 
 LAST_ROUNDS = 10  # window for the accuracy variance: the last 10 evaluations (eval.every apart)
 SCORE_LAST = 5  # a run's score: the mean test accuracy of its last 5 evaluations
@@ -100,9 +108,8 @@ def run_row(run_dir: Path) -> dict | None:
     # the personalized score: every client's own model on its own test (validation) samples
     # at the last round, after eval.finetune's local round where the run fine-tunes (made once,
     # at the end), else under the run's own evaluation parameters: every arm read at one round
-    for key, ft, own in (("personal_score", "local_ft_acc_micro", "local_acc_micro"),
-                         ("personal_val_score", "local_ft_val_acc_micro",
-                          "local_val_acc_micro")):
+    for key, (ft, own) in (("personal_score", PERSONAL_METRICS["test"]),
+                           ("personal_val_score", PERSONAL_METRICS["val"])):
         series = m.get(ft) if ft in m else m.get(own)
         row[key] = float(series[-1]) if series is not None else np.nan
     if status == "diverged":  # no score: counted apart (``compare``'s diverged columns)
@@ -181,12 +188,23 @@ def paired_differences(runs: list[dict], against: str = "fedavg",
                          []).append(r[metric] - b)
     out = []
     for (sweep, arm, t0, alpha), diffs in cells.items():
-        d = np.array(diffs, dtype=np.float64)
-        se = float(d.std(ddof=1) / np.sqrt(d.size)) if d.size > 1 else None
+        mean, se, _ = t_interval(diffs)
         out.append({"sweep": sweep, "arm": arm, "warmup_rounds": t0, "alpha": alpha,
-                    "against": against, "metric": metric, "n": int(d.size),
-                    "diff_mean": float(d.mean()), "diff_se": se})
+                    "against": against, "metric": metric, "n": len(diffs),
+                    "diff_mean": mean, "diff_se": se})
     return out
+
+
+def t_interval(diffs, level: float = 0.95) -> tuple[float, float | None, float | None]:
+    """(mean, its standard error (ddof = 1; None for fewer than 2), and the half-width of the
+    two-sided t interval at ``level`` (None likewise)) of paired differences."""
+    from scipy import stats
+
+    d = np.asarray(diffs, dtype=np.float64)
+    if d.size < 2:
+        return float(d.mean()), None, None
+    se = float(d.std(ddof=1) / np.sqrt(d.size))
+    return float(d.mean()), se, float(stats.t.ppf(0.5 + level / 2, d.size - 1) * se)
 
 
 def compare(runs: list[dict], against: str = "fedavg", metric: str = "score",
@@ -222,8 +240,8 @@ def compare(runs: list[dict], against: str = "fedavg", metric: str = "score",
                                                 0)}
         if n >= 2 and cell["diff_se"] is not None:
             d, se = cell["diff_mean"], cell["diff_se"]
-            t = stats.t.ppf(0.5 + level / 2, n - 1)
-            rec["ci_low"], rec["ci_high"] = d - t * se, d + t * se
+            half = stats.t.ppf(0.5 + level / 2, n - 1) * se
+            rec["ci_low"], rec["ci_high"] = d - half, d + half
             if se > 0:
                 p_low = stats.t.sf((d + margin) / se, n - 1)  # H0: diff <= -margin
                 p_high = stats.t.cdf((d - margin) / se, n - 1)  # H0: diff >= +margin
@@ -494,13 +512,10 @@ def write_markers(plan: Plan, dest: Path) -> int:
     ``out_dir`` on a fresh machine, it makes the study skip exactly those groups (an unfinished
     family reruns from its head, which keeps the snapshots its branches need) and start FedSQ
     from the same pretrained S. Returns the number of runs marked."""
-    groups: dict[tuple, list[RunSpec]] = {}
-    for s in plan_runs(plan):
-        groups.setdefault((s.sweep.name, s.arm.name, s.alpha, s.seed), []).append(s)
     dest = Path(dest)
     marked = 0
     with atomic_path(dest) as tmp, tarfile.open(tmp, "w:gz") as tar:
-        for members in groups.values():
+        for members in families(plan_runs(plan)):
             if all(run_status(m.run_dir) in FINAL for m in members):
                 for m in members:
                     rel = m.run_dir.relative_to(plan.out_dir)

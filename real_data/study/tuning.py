@@ -48,7 +48,15 @@ import numpy as np
 
 from linattn.errors import ConfigError
 from linattn.fileio import atomic_write_json
-from real_data.study.plan import Arm, Plan, Sweep, inside, override_value, run_key
+from real_data.study.plan import (
+    PERSONAL_METRICS,
+    Arm,
+    Plan,
+    Sweep,
+    inside,
+    override_value,
+    run_key,
+)
 from real_data.study.runner import run_status
 
 CHOICES_FILE = "choices.json"
@@ -57,7 +65,6 @@ CHOICES_FILE = "choices.json"
 # end), else under the run's own evaluation parameters (a personalized method's models; the
 # global model otherwise), its last evaluation, so every arm is read at the same round
 PERSONAL = "personal"
-PERSONAL_METRICS = ("local_ft_val_acc_micro", "local_val_acc_micro")
 
 
 def grid_points(sweep: Sweep, arm: Arm) -> list[tuple[str, ...]]:
@@ -119,7 +126,7 @@ def _score(run_dir: Path, metric: str, last: int, head: Path | None = None
         return worst, "diverged"
     if status not in ("completed", "diverged"):
         return None, status
-    wanted = PERSONAL_METRICS if metric == PERSONAL else (metric,)
+    wanted = PERSONAL_METRICS["val"] if metric == PERSONAL else (metric,)
     found: dict[str, list] = {m: [] for m in wanted}
     with open(run_dir / "metrics.csv", newline="") as fh:
         import csv
