@@ -115,9 +115,10 @@ def tuning_plan(plan: Plan) -> Plan:
 def _score(run_dir: Path, metric: str, last: int, head: Path | None = None
            ) -> tuple[float | None, str]:
     """(score, status): the mean of the last ``last`` values of ``metric``; ``None`` unless
-    the run is final. ``head``: the T0 family's warm-up run this branch forks from; when it
-    diverged before the branch's T0 (no snapshot), the branch is the same diverged
-    trajectory and scores as diverged."""
+    the run is final and its metrics are here (a ``--markers`` summary alone has none).
+    ``head``: the T0 family's warm-up run this branch forks from; when it diverged before the
+    branch's T0 (no snapshot), the branch is the same diverged trajectory and scores as
+    diverged."""
     status = run_status(run_dir)
     worst = -np.inf if metric.endswith("acc") or metric == PERSONAL else np.inf
     if status in ("missing", "partial") and head is not None and head != run_dir \
@@ -126,6 +127,8 @@ def _score(run_dir: Path, metric: str, last: int, head: Path | None = None
         return worst, "diverged"
     if status not in ("completed", "diverged"):
         return None, status
+    if not (run_dir / "metrics.csv").is_file():  # a finished-elsewhere marker: no scores here
+        return None, "marker"
     wanted = PERSONAL_METRICS["val"] if metric == PERSONAL else (metric,)
     found: dict[str, list] = {m: [] for m in wanted}
     with open(run_dir / "metrics.csv", newline="") as fh:

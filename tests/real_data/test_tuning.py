@@ -236,6 +236,33 @@ def test_a_branch_of_a_diverged_warm_up_scores_as_diverged(tmp_path):
     assert not (out / study.CHOICES_FILE).exists()  # write=False writes nothing
 
 
+def test_tuning_runs_marked_elsewhere_leave_their_arm_unchosen(tmp_path):
+    """A `--markers` archive holds each finished run's summary.json and no metrics: on the
+    machine it is unpacked on, those runs are finished (not trained again) but have no score,
+    so with a slice their arm is listed as unfinished and the others are chosen; without one
+    the choice says which run it lacks."""
+    plan = study.load_plan(_write(tmp_path), tmp_path / "out")
+    out = tmp_path / "out"
+    for i in (0, 1):  # FedAvg's tuning ran here
+        d = out / study.run_key("digits", f"fedavg+{i}", None, 0.5, 7)
+        d.mkdir(parents=True)
+        (d / "summary.json").write_text(json.dumps({"status": "completed"}))
+        (d / "metrics.csv").write_text("round,client,metric,value,stage\n"
+                                       f"1,global,val_acc,{0.5 + i / 10},full\n")
+    for i in range(4):  # the frozen arm's tuning finished on another machine: markers only
+        for t0 in (1, 3):
+            d = out / study.run_key("digits", f"frozen+{i}", t0, 0.5, 7)
+            d.mkdir(parents=True)
+            (d / "summary.json").write_text(json.dumps({"status": "completed"}))
+    table = study.choose(plan, write=False, partial=True)
+    assert [c["arm"] for c in table["choices"]] == ["fedavg"]
+    assert table["choices"][0]["chosen"]["grid_point"] == 1
+    assert table["unfinished"] == [{"sweep": "digits", "arm": "frozen", "alpha": 0.5,
+                                    "runs_not_final": 8}]
+    with pytest.raises(ConfigError, match="8 run\\(s\\) not final.*frozen"):
+        study.choose(plan, write=False)
+
+
 def test_final_stage_of_a_slice_and_from_a_choices_file(tmp_path):
     """--slice: the final stage needs only the selected arms tuned; --choices: it takes the
     chosen configurations from a file, with no tuning runs present; a choices file that does
