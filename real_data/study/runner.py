@@ -31,15 +31,21 @@ FINAL = ("completed", "diverged")  # a diverged run is a result (its status says
 TRAIN_SAMPLES = {"fmnist": 60000, "mnist": 60000, "cifar10": 50000, "cifar100": 50000,
                  "digits": 1438}
 REFERENCE_CLIENTS = 50  # a unit of work: a round of 50 clients x K = 10 local steps
+# A GPU round of fewer clients is bound by the latency of its K sequential local steps, not by
+# its width: FedTP's native protocol (5 clients a round, 85 local steps, stacked groups of 6
+# runs) measured 0.034 s per run-round and 11 local steps on an H200, against 0.051 for 50
+# clients at K = 10 in the same plan (fair.yaml): 0.66 of the reference width, not 0.1.
+WIDTH_FLOOR = 0.66
 
 
 def _local_work(cfg) -> float:
     """A round's a-priori cost relative to a round of 50 clients of K = 10 local steps, for a
-    run's config: (clients per round / 50) (1 + K) / 11 (the server update, the evaluation and
-    the bookkeeping cost about one local step's work per client; the fair study measured a
-    K = 40 run-round at about 3 to 6 times a K = 10 one on an H200). A run in local epochs
-    takes K = epochs x its clients' mean minibatches per epoch (training samples of the data
-    set over the clients, less the validation share)."""
+    run's config: max(clients per round / 50, WIDTH_FLOOR) (1 + K) / 11 (the server update,
+    the evaluation and the bookkeeping cost about one local step's work per client; the fair
+    study measured a K = 40 run-round at about 3 to 6 times a K = 10 one on an H200; a narrow
+    round costs its sequential steps' latency). A run in local epochs takes K = epochs x its
+    clients' mean minibatches per epoch (training samples of the data set over the clients,
+    less the validation share)."""
     train, part = cfg.train, cfg.partition
     clients = min(train.clients_per_round or part.num_clients or REFERENCE_CLIENTS,
                   part.num_clients or REFERENCE_CLIENTS)
@@ -47,10 +53,15 @@ def _local_work(cfg) -> float:
     if steps is None:
         samples = TRAIN_SAMPLES.get(cfg.data.name)
         if samples is None or not part.num_clients:
-            return clients / REFERENCE_CLIENTS
+            return max(clients / REFERENCE_CLIENTS, WIDTH_FLOOR)
         per_client = samples * (1.0 - (part.validation_fraction or 0.0)) / part.num_clients
         steps = float(train.local_epochs or 1) * math.ceil(per_client / train.batch_size)
-    return clients / REFERENCE_CLIENTS * (1.0 + float(steps)) / 11.0
+    return max(clients / REFERENCE_CLIENTS, WIDTH_FLOOR) * (1.0 + float(steps)) / 11.0
+
+
+def _attention(cfg) -> str | None:
+    """The model's attention kind (softmax, linear, ...), None for a model without one."""
+    return getattr(cfg.model.params, "attention", None)
 
 
 def families(specs: list[RunSpec]) -> list[list[RunSpec]]:
@@ -84,9 +95,10 @@ def group_cost(members: list[RunSpec], pace: dict | None = None,
         per_round = pace.get((head.sweep.name, head.arm.name))
         if per_round is None:  # the sweep's (or overall) median, times the arm's measured
             # ratio to its sweep's median in the other sweeps (FedSQ ~2.3x, SCAFFOLD ~1.6x);
-            # a sweep not measured yet: the overall median scaled by its local work
+            # a sweep not measured yet: the overall median scaled by its local work and by
+            # its attention's measured ratio (linear attention ~1.4-1.9x softmax on the ViT)
             base = pace[head.sweep.name] if head.sweep.name in pace else \
-                pace["*"] * _local_work(cfg)
+                pace["*"] * _local_work(cfg) * pace.get(("*attention", _attention(cfg)), 1.0)
             per_round = base * pace.get(("*", head.arm.name),
                                         0.3 if head.arm.reference else 1.0)
         return cost * per_round
@@ -105,10 +117,12 @@ def measured_pace(specs: list[RunSpec], before: float | None = None) -> dict:
     """Median GPU seconds per round of the completed runs, by (sweep, arm) and by sweep; overall
     (``"*"``), the median per unit of :func:`_local_work` (so a sweep not run yet, at another
     K, is priced by its own local work); and each arm's median ratio to its sweep's median
-    (``("*", arm)``, for an arm not yet run in some sweep); empty when none ran on a GPU. CPU
-    runs are left out."""
+    (``("*", arm)``, for an arm not yet run in some sweep); the median pace per unit of local
+    work of the sweeps of each attention kind relative to the overall one (``("*attention",
+    kind)``, for a sweep not run yet); empty when none ran on a GPU. CPU runs are left out."""
     by_arm: dict[tuple, list[float]] = {}
     work: dict[str, float] = {}  # each measured sweep's local work per round
+    kind: dict[str, str | None] = {}  # and its attention
     for s in specs:
         if not _finished_before(s.run_dir, before):
             continue
@@ -119,7 +133,8 @@ def measured_pace(specs: list[RunSpec], before: float | None = None) -> dict:
             continue
         by_arm.setdefault((s.sweep.name, s.arm.name), []).append(float(sec))
         if s.sweep.name not in work:
-            work[s.sweep.name] = _local_work(run_config(s, s.warmup_rounds))
+            cfg = run_config(s, s.warmup_rounds)
+            work[s.sweep.name], kind[s.sweep.name] = _local_work(cfg), _attention(cfg)
     if not by_arm:
         return {}
     pace: dict = {k: float(np.median(v)) for k, v in by_arm.items()}
@@ -130,6 +145,9 @@ def measured_pace(specs: list[RunSpec], before: float | None = None) -> dict:
     for arm in {k[1] for k in by_arm}:  # ("*", arm): the arm's pace relative to its sweeps'
         pace[("*", arm)] = float(np.median([pace[k] / pace[k[0]] for k in by_arm
                                             if k[1] == arm]))
+    for a in set(kind.values()):  # ("*attention", kind): its sweeps' pace per unit of work
+        pace[("*attention", a)] = float(np.median([pace[w] / work[w] for w in work
+                                                  if kind[w] == a])) / pace["*"]
     return pace
 
 
@@ -328,7 +346,7 @@ def estimate(plan: Plan, pattern: str | list[str] | None = None,
     if not pace and pace_plan is not None:
         other = measured_pace(plan_runs(pace_plan))
         pace = {k: v for k, v in other.items() if k == "*" or (isinstance(k, tuple)
-                                                              and k[0] == "*")}
+                                                              and k[0] in ("*", "*attention"))}
         borrowed = bool(pace)
     rows: dict[str, dict] = {}
     for family in families(specs):

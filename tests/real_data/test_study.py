@@ -11,6 +11,8 @@ from conftest import run_cli
 
 from linattn.errors import ConfigError, UserError
 from real_data import study
+from real_data.config import load_config
+from real_data.study import runner
 
 PLAN = {
     "name": "tiny",
@@ -293,7 +295,6 @@ def test_a_slice_not_run_yet_is_priced_by_the_plan_and_a_late_batch_splits(tmp_p
                                                                            monkeypatch):
     """The pace measured in one sweep prices another at its own local work; a stacked batch
     that would overrun the deadline is split into halves until a part fits."""
-    import real_data.study.runner as runner
 
     data = yaml.safe_load(yaml.safe_dump(PLAN))
     data["seeds"] = [0, 1, 2, 3]
@@ -309,10 +310,12 @@ def test_a_slice_not_run_yet_is_priced_by_the_plan_and_a_late_batch_splits(tmp_p
             (spec.run_dir / "summary.json").write_text(json.dumps(
                 {"status": "completed", "seconds_per_round": 1.0, "device": {"type": "cuda"}}))
     pace = study.measured_pace(study.plan_runs(plan))
-    # per unit of local work (50 clients at K = 10): these runs have 10 clients, 0.2 units
-    assert pace["*"] == pytest.approx(1.0 / 0.2) and "new" not in pace
+    # per unit of local work (50 clients at K = 10): these runs have 10 clients, narrower than
+    # the width floor, so WIDTH_FLOOR units (a narrow round costs its steps' latency)
+    floor = runner.WIDTH_FLOOR
+    assert pace["*"] == pytest.approx(1.0 / floor) and "new" not in pace
     fresh = [s for s in study.plan_runs(plan) if s.sweep.name == "new"]
-    # 3 rounds at 5.0 s per unit of local work, K = 21 with 10 clients being 0.4 units: 6 s
+    # 3 rounds at 1 / floor s per unit of local work, K = 21 being 2 floor units: 6 s
     assert study.batch_cost([[s] for s in fresh], pace) == pytest.approx(4 * 6.0)
     # what is left, as --estimate prints it: the measured sweep is done, the new one priced
     (row,) = study.estimate(plan)
@@ -327,7 +330,7 @@ def test_a_slice_not_run_yet_is_priced_by_the_plan_and_a_late_batch_splits(tmp_p
     assert {r["gpu_seconds"] for r in study.estimate(blank)} == {None}
     priced = {r["sweep"]: r for r in study.estimate(blank, pace_plan=plan)}
     assert priced["new"]["gpu_seconds"] == pytest.approx(24.0)
-    assert priced["digits"]["gpu_seconds"] == pytest.approx(4 * 3 * 5.0 * 0.2)
+    assert priced["digits"]["gpu_seconds"] == pytest.approx(4 * 3 * 1.0)
     assert priced["new"]["priced_by"] == "local work at tiny's pace"
     ran = []
     monkeypatch.setattr(runner, "_run_stacked", lambda batch, counts, log: ran.append(
@@ -345,6 +348,38 @@ def test_a_slice_not_run_yet_is_priced_by_the_plan_and_a_late_batch_splits(tmp_p
             (spec.run_dir / "summary.json").unlink()
     study.run_study(plan, pattern="new/*", deadline_s=7.0, pending=True, log=lambda *_: None)
     assert ran == [[0, 1, 2, 3]]
+
+
+def test_a_sweep_not_run_yet_is_priced_by_its_attentions_measured_ratio(tmp_path):
+    """Linear attention measured at twice softmax's pace per unit of local work (in other
+    sweeps) prices a linear-attention sweep not run yet at that ratio of the overall pace."""
+    data = yaml.safe_load(yaml.safe_dump(PLAN))
+    data["seeds"] = [0, 1]
+    base = dict(data["sweeps"][0], arms=data["sweeps"][0]["arms"][:1])
+    lin = [*base["overrides"], "model.attention=linear"]
+    data["sweeps"] = [dict(base, name="soft"), dict(base, name="lin", overrides=lin),
+                      dict(base, name="lin40", overrides=[*lin, "train.local_steps=40"])]
+    plan = _plan(tmp_path, data)
+    for spec in study.plan_runs(plan):
+        if spec.sweep.name != "lin40":
+            spec.run_dir.mkdir(parents=True)
+            (spec.run_dir / "summary.json").write_text(json.dumps(
+                {"status": "completed", "seconds_per_round": 2.0 if spec.sweep.name == "lin"
+                 else 1.0, "device": {"type": "cuda"}}))
+    pace = study.measured_pace(study.plan_runs(plan))
+    unit = runner._local_work(study.run_config(study.plan_runs(plan)[0], None))
+    assert pace["*"] == pytest.approx(1.5 / unit)  # the median over the 4 runs
+    assert pace[("*attention", "linear")] == pytest.approx(2.0 / 1.5)
+    assert pace[("*attention", "softmax")] == pytest.approx(1.0 / 1.5)
+    (row,) = study.estimate(plan)
+    work = runner._local_work(study.run_config(study.plan_runs(plan)[-1], None))
+    assert row["sweep"] == "lin40"
+    assert row["gpu_seconds"] == pytest.approx(2 * 3 * (2.0 / unit) * work)
+    # a plan borrowing this pace takes the ratio along
+    blank = study.load_plan(tmp_path / "plan.yaml", tmp_path / "blank")
+    priced = {r["sweep"]: r["gpu_seconds"] for r in study.estimate(blank, pace_plan=plan)}
+    assert priced["lin40"] == pytest.approx(row["gpu_seconds"])
+    assert priced["soft"] == pytest.approx(2 * 3 * 1.0)
 
 
 def test_pending_shards_balance_only_the_unfinished_groups(tmp_path):
@@ -404,7 +439,8 @@ def test_measured_pace_weighs_the_pending_split(tmp_path):
     # overall: per unit of local work (K = 10 local steps is one unit)
     cfg = study.run_config(specs[0], None)
     clients = min(cfg.train.clients_per_round or 50, cfg.partition.num_clients)
-    assert pace["*"] == pytest.approx(0.4 * 11 / (1 + cfg.train.local_steps) * 50 / clients)
+    assert pace["*"] == pytest.approx(0.4 * 11 / (1 + cfg.train.local_steps)
+                                      / max(clients / 50, runner.WIDTH_FLOOR))
     assert pace[("*", "slow")] == pytest.approx(1.5) and pace[("*", "fast")] == pytest.approx(0.5)
     # an arm measured only in another sweep: that sweep's ratio times this sweep's median
     other = dict(pace, **{"other": 0.1})
@@ -490,8 +526,9 @@ def test_study_workers_share_the_cores(monkeypatch, capsys):
 
 
 def test_the_a_priori_split_weighs_local_steps(tmp_path):
-    """Without a measured pace a round costs (clients / 50) (1 + K) / 11 of a round of 50
-    clients at K = 10 (here 10 clients, 0.2 of that): three runs of
+    """Without a measured pace a round costs max(clients / 50, WIDTH_FLOOR) (1 + K) / 11 of
+    a round of 50 clients at K = 10 (here 10 clients: the floor, a narrow round's sequential
+    steps cost their latency; 100 clients cost twice 50): three runs of
     K = 40 and three of K = 2 split by their work (counting rounds alone would put two K = 40
     runs on one shard and one on the other, each beside K = 2 runs); with a measured pace, a
     sweep not run yet takes the overall median times its local work."""
@@ -503,12 +540,15 @@ def test_the_a_priori_split_weighs_local_steps(tmp_path):
                       for k in (40, 2)]
     plan = _plan(tmp_path, data)
     groups = [[s] for s in study.plan_runs(plan)]
-    assert study._group_cost(groups[0]) == pytest.approx(3 * 0.2 * 41 / 11)
-    assert study._group_cost(groups[-1]) == pytest.approx(3 * 0.2 * 3 / 11)
+    floor = runner.WIDTH_FLOOR
+    assert study._group_cost(groups[0]) == pytest.approx(3 * floor * 41 / 11)
+    assert study._group_cost(groups[-1]) == pytest.approx(3 * floor * 3 / 11)
+    wide = load_config("digits_vit", ["partition.num_clients=100", "train.local_steps=10"])
+    assert runner._local_work(wide) == pytest.approx(2.0)
     shards = [[g[0].sweep.name for g in study.shard_groups(groups, (k, 2))] for k in range(2)]
     assert [sorted(s) for s in shards] == [["k40", "k40"], ["k2", "k2", "k2", "k40"]]
     pace = {"*": 0.5, "k2": 0.1, ("k2", "fedavg"): 0.1, ("*", "fedavg"): 1.0}
-    assert study._group_cost(groups[0], pace) == pytest.approx(3 * 0.5 * 0.2 * 41 / 11)
+    assert study._group_cost(groups[0], pace) == pytest.approx(3 * 0.5 * floor * 41 / 11)
     assert study._group_cost(groups[-1], pace) == pytest.approx(3 * 0.1)
 
 
@@ -524,11 +564,9 @@ def test_a_stacked_batch_costs_every_family_it_holds(tmp_path):
     for s in study.plan_runs(plan):
         families.setdefault(s.seed, []).append(s)
     batch = [sorted(f, key=lambda s: -s.warmup_rounds) for f in families.values()]
-    from real_data.study import runner
-
     assert [[s.warmup_rounds for s in f] for f in batch] == [[2, 0], [2, 0]]
     work = runner._local_work(study.run_config(batch[0][0], 2))  # 10 clients, K = 5
-    assert work == pytest.approx(10 / 50 * 6 / 11)
+    assert work == pytest.approx(runner.WIDTH_FLOOR * 6 / 11)
     assert study.batch_cost(batch) == pytest.approx(2 * (3 + 3) * work)
     assert study._group_cost([m for f in batch for m in f]) == pytest.approx((3 + 3 + 1 + 3)
                                                                              * work)
