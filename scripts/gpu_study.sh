@@ -7,7 +7,8 @@
 # still there for the next call. The workers balance the groups not yet finished at their launch
 # (--pending-before).
 # DONE_ARCHIVE (optional): a `linattn study --markers` archive
-# of the groups finished on earlier machines, so they are skipped here.
+# of the groups finished on earlier machines, so they are skipped here (a marked run whose
+# configuration the plan no longer asks for, say a final run whose arm was tuned again, trains).
 # Each worker (--shard k/n) takes the machine's cores divided by the n workers as its CPU
 # threads (`linattn study --threads`); OMP_NUM_THREADS, when set, decides instead.
 # Usage: bash scripts/gpu_study.sh PLAN SECONDS WORKERS_PER_GPU OUTDIR [study options]

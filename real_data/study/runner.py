@@ -261,7 +261,7 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
     # check every config before anything runs, so a bad plan writes nothing; a run directory
     # that already exists must hold the run the plan now asks for
     for s in specs:
-        check_existing(s, run_config(s, s.warmup_rounds))
+        check_existing(s, run_config(s, s.warmup_rounds), log)
     todo = families(specs)
     before = None if isinstance(pending, bool) else float(pending)
     done_then = frozenset(m.key for g in todo for m in g if _finished_before(m.run_dir, before)) \
@@ -371,10 +371,12 @@ def estimate(plan: Plan, pattern: str | list[str] | None = None,
 SAME_SECTIONS = ("seed", "data", "partition", "algorithm", "train", "eval")
 
 
-def check_existing(spec: RunSpec, cfg) -> None:
+def check_existing(spec: RunSpec, cfg, log=print) -> None:
     """Raise UserError if ``spec``'s run directory holds a run of another configuration (the
     plan changed since it ran: a grid point's index names another point, or a tuned choice
-    moved), comparing the sections that decide the results."""
+    moved), comparing the sections that decide the results. A marker of another
+    configuration (:func:`write_markers`: a summary and config, no metrics) is stale, say a
+    final run marked before its arm was tuned again: it is removed, so the run trains."""
     saved = spec.run_dir / "config.yaml"
     if not saved.is_file():
         return
@@ -391,6 +393,10 @@ def check_existing(spec: RunSpec, cfg) -> None:
                 what = f"{section}.{key}: ran with {a.get(key)!r}, the plan asks {b.get(key)!r}"
             else:
                 what = f"{section}: ran with {a!r}, the plan asks {b!r}"
+            if not (spec.run_dir / "metrics.csv").is_file():  # a stale marker
+                log(f"stale marker {spec.key} ({what}): removed, the run trains")
+                shutil.rmtree(spec.run_dir)
+                return
             raise UserError(f"{spec.run_dir} holds a run of another configuration ({what}); "
                             "the plan changed since it ran: move that run away or give the "
                             "study another --out")

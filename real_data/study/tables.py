@@ -507,11 +507,13 @@ def pack_results(plan: Plan, dest: Path) -> dict:
 
 
 def write_markers(plan: Plan, dest: Path) -> int:
-    """Write ``dest`` (.tar.gz) with the ``summary.json`` of every run whose whole group (a T0
-    family, or a single run) is finished, and the plan's pretrained files: unpacked into
-    ``out_dir`` on a fresh machine, it makes the study skip exactly those groups (an unfinished
-    family reruns from its head, which keeps the snapshots its branches need) and start FedSQ
-    from the same pretrained S. Returns the number of runs marked."""
+    """Write ``dest`` (.tar.gz) with the ``summary.json`` and ``config.yaml`` of every run
+    whose whole group (a T0 family, or a single run) is finished, and the plan's pretrained
+    files: unpacked into ``out_dir`` on a fresh machine, it makes the study skip exactly those
+    groups (an unfinished family reruns from its head, which keeps the snapshots its branches
+    need) and start FedSQ from the same pretrained S. A marked run whose configuration the
+    plan no longer asks for (a final run whose arm was tuned again) trains there again
+    (:func:`check_existing`). Returns the number of runs marked."""
     dest = Path(dest)
     marked = 0
     with atomic_path(dest) as tmp, tarfile.open(tmp, "w:gz") as tar:
@@ -519,7 +521,9 @@ def write_markers(plan: Plan, dest: Path) -> int:
             if all(run_status(m.run_dir) in FINAL for m in members):
                 for m in members:
                     rel = m.run_dir.relative_to(plan.out_dir)
-                    tar.add(m.run_dir / "summary.json", arcname=f"{rel}/summary.json")
+                    for name in ("summary.json", "config.yaml"):
+                        if (m.run_dir / name).is_file():
+                            tar.add(m.run_dir / name, arcname=f"{rel}/{name}")
                     marked += 1
         for job in plan.pretrain:
             if plan.pretrained_path(job).is_file():

@@ -281,6 +281,41 @@ def test_pack_and_markers_carry_a_study_to_another_machine(tmp_path):
     assert rows == again
 
 
+def test_a_marker_of_another_configuration_is_stale_and_the_run_trains(tmp_path):
+    """Markers carry each run's config: on a machine where the plan asks another
+    configuration for a marked run (its arm tuned again), the marker is removed and the run
+    trains; markers of unchanged runs still skip. A real run of another configuration still
+    stops the study (exit 2 in the CLI), naming the key."""
+    import tarfile
+
+    plan = _plan(tmp_path)
+    study.run_study(plan, log=lambda *_: None)
+    assert study.write_markers(plan, tmp_path / "done.tar.gz") == 4
+    with tarfile.open(tmp_path / "done.tar.gz") as tar:
+        names = tar.getnames()
+    assert "digits/fedavg/alpha=0.5/seed=0/config.yaml" in names
+    assert not any(n.endswith("metrics.csv") for n in names)
+    data = yaml.safe_load(yaml.safe_dump(PLAN))
+    data["sweeps"][0]["arms"][0]["overrides"] = ["algorithm.name=fedavg", "train.lr=0.07"]
+    path = tmp_path / "changed.yaml"
+    path.write_text(yaml.safe_dump(data))
+    other = study.load_plan(path, tmp_path / "other")
+    other.out_dir.mkdir()
+    with tarfile.open(tmp_path / "done.tar.gz") as tar:
+        tar.extractall(other.out_dir, filter="data")
+    said = []
+    counts = study.run_study(other, log=said.append)
+    assert counts["started"] == 1 and counts["skipped"] == 3
+    assert any(m.startswith("stale marker digits/fedavg/alpha=0.5/seed=0 (train.lr: ran "
+                            "with") for m in said)
+    fedavg = other.out_dir / "digits/fedavg/alpha=0.5/seed=0"
+    assert (fedavg / "metrics.csv").is_file() and "lr: 0.07" in (fedavg / "config.yaml").read_text()
+    # the run that trained here is real: the first plan's configuration is refused for it
+    first = study.replace_out(plan, other.out_dir)
+    with pytest.raises(UserError, match="holds a run of another configuration"):
+        study.run_study(first, log=lambda *_: None)
+
+
 def test_deadline_leaves_groups_that_would_not_fit(tmp_path):
     data = yaml.safe_load(yaml.safe_dump(PLAN))
     data["seeds"] = [0, 1]
