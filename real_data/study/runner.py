@@ -369,6 +369,7 @@ def estimate(plan: Plan, pattern: str | list[str] | None = None,
 
 
 SAME_SECTIONS = ("seed", "data", "partition", "algorithm", "train", "eval")
+MARKER_FILES = {"summary.json", "config.yaml"}  # a run marked elsewhere (write_markers)
 
 
 def check_existing(spec: RunSpec, cfg, log=print) -> None:
@@ -393,7 +394,7 @@ def check_existing(spec: RunSpec, cfg, log=print) -> None:
                 what = f"{section}.{key}: ran with {a.get(key)!r}, the plan asks {b.get(key)!r}"
             else:
                 what = f"{section}: ran with {a!r}, the plan asks {b!r}"
-            if not (spec.run_dir / "metrics.csv").is_file():  # a stale marker
+            if {p.name for p in spec.run_dir.iterdir()} <= MARKER_FILES:  # a stale marker
                 log(f"stale marker {spec.key} ({what}): removed, the run trains")
                 shutil.rmtree(spec.run_dir)
                 return

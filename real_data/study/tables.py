@@ -25,7 +25,7 @@ from real_data.study.plan import (
     plan_runs,
     run_key,
 )
-from real_data.study.runner import FINAL, families, run_status
+from real_data.study.runner import FINAL, MARKER_FILES, families, run_status
 
 LAST_ROUNDS = 10  # window for the accuracy variance: the last 10 evaluations (eval.every apart)
 SCORE_LAST = 5  # a run's score: the mean test accuracy of its last 5 evaluations
@@ -521,7 +521,7 @@ def write_markers(plan: Plan, dest: Path) -> int:
             if all(run_status(m.run_dir) in FINAL for m in members):
                 for m in members:
                     rel = m.run_dir.relative_to(plan.out_dir)
-                    for name in ("summary.json", "config.yaml"):
+                    for name in sorted(MARKER_FILES):
                         if (m.run_dir / name).is_file():
                             tar.add(m.run_dir / name, arcname=f"{rel}/{name}")
                     marked += 1
