@@ -229,7 +229,7 @@ def _study(argv: list[str]) -> int:
     ap.add_argument("--markers", type=Path, metavar="FILE.tar.gz",
                     help="write the summary.json and config.yaml of every finished run "
                     "group; unpacked into out_dir on a fresh machine, the study skips them (a "
-                    "marked run whose configuration the plan no longer asks for trains again)")
+                    "marked run whose configuration differs from the plan's trains again)")
     ap.add_argument("--no-tables", action="store_true",
                     help="skip writing the tables (e.g. on a GPU host, before --pack)")
     ap.add_argument("--list", action="store_true", help="list the plan's runs and their status")

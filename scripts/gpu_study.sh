@@ -8,7 +8,7 @@
 # (--pending-before).
 # DONE_ARCHIVE (optional): a `linattn study --markers` archive
 # of the groups finished on earlier machines, so they are skipped here (a marked run whose
-# configuration the plan no longer asks for, say a final run whose arm was tuned again, trains).
+# configuration differs from the plan's, say a final run whose arm's choice moved, trains).
 # Each worker (--shard k/n) takes the machine's cores divided by the n workers as its CPU
 # threads (`linattn study --threads`); OMP_NUM_THREADS, when set, decides instead.
 # Usage: bash scripts/gpu_study.sh PLAN SECONDS WORKERS_PER_GPU OUTDIR [study options]

@@ -34,18 +34,20 @@ REFERENCE_CLIENTS = 50  # a unit of work: a round of 50 clients x K = 10 local s
 # A GPU round of fewer clients is bound by the latency of its K sequential local steps, not by
 # its width: FedTP's native protocol (5 clients a round, 85 local steps, stacked groups of 6
 # runs) measured 0.034 s per run-round and 11 local steps on an H200, against 0.051 for 50
-# clients at K = 10 in the same plan (fair.yaml): 0.66 of the reference width, not 0.1.
+# clients at K = 10 in the same plan (fair.yaml): 0.66 of the reference width, not 0.1 (the
+# sweep's median; FedTP's own arm, 0.31 s, gives 0.78). A-priori splits on a CPU count width.
 WIDTH_FLOOR = 0.66
 
 
-def _local_work(cfg) -> float:
+def _local_work(cfg, floor: float = 0.0) -> float:
     """A round's a-priori cost relative to a round of 50 clients of K = 10 local steps, for a
-    run's config: max(clients per round / 50, WIDTH_FLOOR) (1 + K) / 11 (the server update,
-    the evaluation and the bookkeeping cost about one local step's work per client; the fair
-    study measured a K = 40 run-round at about 3 to 6 times a K = 10 one on an H200; a narrow
-    round costs its sequential steps' latency). A run in local epochs takes K = epochs x its
-    clients' mean minibatches per epoch (training samples of the data set over the clients,
-    less the validation share)."""
+    run's config: max(clients per round / 50, floor) (1 + K) / 11 (the server update, the
+    evaluation and the bookkeeping cost about one local step's work per client; the fair
+    study measured a K = 40 run-round at about 3 to 6 times a K = 10 one on an H200). GPU
+    prices pass ``floor=WIDTH_FLOOR`` (a narrow round costs its sequential steps' latency);
+    the a-priori split before any measurement counts width as it is. A run in local epochs
+    takes K = epochs x its clients' mean minibatches per epoch (training samples of the data
+    set over the clients, less the validation share)."""
     train, part = cfg.train, cfg.partition
     clients = min(train.clients_per_round or part.num_clients or REFERENCE_CLIENTS,
                   part.num_clients or REFERENCE_CLIENTS)
@@ -53,10 +55,10 @@ def _local_work(cfg) -> float:
     if steps is None:
         samples = TRAIN_SAMPLES.get(cfg.data.name)
         if samples is None or not part.num_clients:
-            return max(clients / REFERENCE_CLIENTS, WIDTH_FLOOR)
+            return max(clients / REFERENCE_CLIENTS, floor)
         per_client = samples * (1.0 - (part.validation_fraction or 0.0)) / part.num_clients
         steps = float(train.local_epochs or 1) * math.ceil(per_client / train.batch_size)
-    return max(clients / REFERENCE_CLIENTS, WIDTH_FLOOR) * (1.0 + float(steps)) / 11.0
+    return max(clients / REFERENCE_CLIENTS, floor) * (1.0 + float(steps)) / 11.0
 
 
 def _attention(cfg) -> str | None:
@@ -98,7 +100,8 @@ def group_cost(members: list[RunSpec], pace: dict | None = None,
             # a sweep not measured yet: the overall median scaled by its local work and by
             # its attention's measured ratio (linear attention ~1.4-1.9x softmax on the ViT)
             base = pace[head.sweep.name] if head.sweep.name in pace else \
-                pace["*"] * _local_work(cfg) * pace.get(("*attention", _attention(cfg)), 1.0)
+                pace["*"] * _local_work(cfg, WIDTH_FLOOR) \
+                * pace.get(("*attention", _attention(cfg)), 1.0)
             per_round = base * pace.get(("*", head.arm.name),
                                         0.3 if head.arm.reference else 1.0)
         return cost * per_round
@@ -134,7 +137,8 @@ def measured_pace(specs: list[RunSpec], before: float | None = None) -> dict:
         by_arm.setdefault((s.sweep.name, s.arm.name), []).append(float(sec))
         if s.sweep.name not in work:
             cfg = run_config(s, s.warmup_rounds)
-            work[s.sweep.name], kind[s.sweep.name] = _local_work(cfg), _attention(cfg)
+            work[s.sweep.name] = _local_work(cfg, WIDTH_FLOOR)
+            kind[s.sweep.name] = _attention(cfg)
     if not by_arm:
         return {}
     pace: dict = {k: float(np.median(v)) for k, v in by_arm.items()}
@@ -145,9 +149,9 @@ def measured_pace(specs: list[RunSpec], before: float | None = None) -> dict:
     for arm in {k[1] for k in by_arm}:  # ("*", arm): the arm's pace relative to its sweeps'
         pace[("*", arm)] = float(np.median([pace[k] / pace[k[0]] for k in by_arm
                                             if k[1] == arm]))
-    for a in set(kind.values()):  # ("*attention", kind): its sweeps' pace per unit of work
-        pace[("*attention", a)] = float(np.median([pace[w] / work[w] for w in work
-                                                  if kind[w] == a])) / pace["*"]
+    for a in set(kind.values()):  # ("*attention", kind): its runs' pace per unit of work
+        pace[("*attention", a)] = float(np.median([x / work[k[0]] for k, v in by_arm.items()
+                                                  if kind[k[0]] == a for x in v])) / pace["*"]
     return pace
 
 
@@ -260,8 +264,7 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
                               "`linattn study --plan ... --list` shows the run keys")
     # check every config before anything runs, so a bad plan writes nothing; a run directory
     # that already exists must hold the run the plan now asks for
-    for s in specs:
-        check_existing(s, run_config(s, s.warmup_rounds), log)
+    check_existing(specs, log)
     todo = families(specs)
     before = None if isinstance(pending, bool) else float(pending)
     done_then = frozenset(m.key for g in todo for m in g if _finished_before(m.run_dir, before)) \
@@ -372,35 +375,69 @@ SAME_SECTIONS = ("seed", "data", "partition", "algorithm", "train", "eval")
 MARKER_FILES = {"summary.json", "config.yaml"}  # a run marked elsewhere (write_markers)
 
 
-def check_existing(spec: RunSpec, cfg, log=print) -> None:
-    """Raise UserError if ``spec``'s run directory holds a run of another configuration (the
-    plan changed since it ran: a grid point's index names another point, or a tuned choice
-    moved), comparing the sections that decide the results. A marker of another
-    configuration (:func:`write_markers`: a summary and config, no metrics) is stale, say a
-    final run marked before its arm was tuned again: it is removed, so the run trains."""
-    saved = spec.run_dir / "config.yaml"
-    if not saved.is_file():
-        return
+def config_mismatch(spec: RunSpec, cfg) -> str | None:
+    """What differs between the run in ``spec``'s directory and ``cfg`` (the plan changed
+    since it ran: a grid point's index names another point, or a tuned choice moved), in the
+    sections that decide the results; None if they agree or nothing is there."""
     from linattn.configio import load_yaml
     from real_data.config import config_from_dict, config_to_dict
 
-    have = config_to_dict(config_from_dict(load_yaml(saved), source=saved))
+    saved = spec.run_dir / "config.yaml"
+    if not saved.is_file():
+        return None
+    try:
+        data = load_yaml(saved)
+    except ConfigError:
+        if not saved.exists():  # a stale marker another worker removed meanwhile
+            return None
+        raise
+    have = config_to_dict(config_from_dict(data, source=saved))
     want = config_to_dict(cfg)
     for section in SAME_SECTIONS:
         a, b = have.get(section), want.get(section)
         if a != b:
             if isinstance(a, dict) and isinstance(b, dict):
                 key = next(k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
-                what = f"{section}.{key}: ran with {a.get(key)!r}, the plan asks {b.get(key)!r}"
+                return f"{section}.{key}: ran with {a.get(key)!r}, the plan asks {b.get(key)!r}"
+            return f"{section}: ran with {a!r}, the plan asks {b!r}"
+    return None
+
+
+def _is_marker(run_dir: Path) -> bool:
+    """A run directory holding only what :func:`write_markers` puts there."""
+    try:
+        return {p.name for p in run_dir.iterdir()} <= MARKER_FILES
+    except FileNotFoundError:
+        return False
+
+
+def check_existing(specs: list[RunSpec], log=print) -> None:
+    """Raise UserError, changing nothing, if a run directory of ``specs`` holds a run of
+    another configuration than the plan's (:func:`config_mismatch`). A marker of another
+    configuration (:func:`write_markers`: a summary and config, no metrics) is stale, say a
+    final run marked before its arm's choice moved: once no real run conflicts, the stale
+    markers are removed with the markers of their T0 family (a family trains whole), so those
+    runs train. Workers that start together may remove the same marker."""
+    stale, conflicts = set(), []
+    for fam in families(specs):
+        for s in fam:
+            what = config_mismatch(s, run_config(s, s.warmup_rounds))
+            if what is None:
+                continue
+            if _is_marker(s.run_dir):
+                stale.add(fam[0].key)
+                log(f"stale marker {s.key} ({what}): removed, the run trains")
             else:
-                what = f"{section}: ran with {a!r}, the plan asks {b!r}"
-            if {p.name for p in spec.run_dir.iterdir()} <= MARKER_FILES:  # a stale marker
-                log(f"stale marker {spec.key} ({what}): removed, the run trains")
-                shutil.rmtree(spec.run_dir)
-                return
-            raise UserError(f"{spec.run_dir} holds a run of another configuration ({what}); "
-                            "the plan changed since it ran: move that run away or give the "
-                            "study another --out")
+                conflicts.append(f"{s.run_dir} holds a run of another configuration ({what})")
+    if conflicts:
+        more = f" (and {len(conflicts) - 1} more)" if len(conflicts) > 1 else ""
+        raise UserError(f"{conflicts[0]}{more}; the plan changed since it ran: move that run "
+                        "away or give the study another --out")
+    for fam in families(specs):
+        if fam[0].key in stale:
+            for s in fam:
+                if _is_marker(s.run_dir):
+                    shutil.rmtree(s.run_dir, ignore_errors=True)
 
 
 def _head_action(head: RunSpec, counts: dict, log) -> str:

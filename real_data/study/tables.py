@@ -512,7 +512,7 @@ def write_markers(plan: Plan, dest: Path) -> int:
     files: unpacked into ``out_dir`` on a fresh machine, it makes the study skip exactly those
     groups (an unfinished family reruns from its head, which keeps the snapshots its branches
     need) and start FedSQ from the same pretrained S. A marked run whose configuration the
-    plan no longer asks for (a final run whose arm was tuned again) trains there again
+    differs from the plan's (a final run whose arm's choice moved) trains there again
     (:func:`check_existing`). Returns the number of runs marked."""
     dest = Path(dest)
     marked = 0

@@ -128,7 +128,7 @@ def _score(run_dir: Path, metric: str, last: int, head: Path | None = None
     if status not in ("completed", "diverged"):
         return None, status
     if not (run_dir / "metrics.csv").is_file():  # a finished-elsewhere marker: no scores here
-        return None, "marker"
+        return (worst, status) if status == "diverged" else (None, "marker")
     wanted = PERSONAL_METRICS["val"] if metric == PERSONAL else (metric,)
     found: dict[str, list] = {m: [] for m in wanted}
     with open(run_dir / "metrics.csv", newline="") as fh:
@@ -159,8 +159,8 @@ def choose(plan: Plan, write: bool = True, partial: bool = False) -> dict:
     whole table goes to ``<out_dir>/choices.json``."""
     _need_tune(plan)
     tune = plan.tune
-    out, missing = {"metric": tune.metric, "last": tune.last, "seed": tune.seed,
-                    "choices": []}, []
+    out, missing, marked = {"metric": tune.metric, "last": tune.last, "seed": tune.seed,
+                            "choices": []}, [], []
     unfinished = []
     for sw in plan.sweeps:
         metric = PERSONAL if sw.score == PERSONAL else tune.metric
@@ -182,7 +182,7 @@ def choose(plan: Plan, write: bool = True, partial: bool = False) -> dict:
                         score, status = _score(inside(plan.out_dir, key), metric,
                                                1 if metric == PERSONAL else tune.last, head)
                         if score is None:
-                            missing.append(key)
+                            (marked if status == "marker" else missing).append(key)
                             continue
                         cands.append({"grid_point": i, "overrides": list(point),
                                       "warmup_rounds": t0, "score": score, "status": status})
@@ -199,6 +199,11 @@ def choose(plan: Plan, write: bool = True, partial: bool = False) -> dict:
                                        "metric": metric, "chosen": best, "candidates": cands})
     if partial:
         out["unfinished"] = unfinished
+    elif marked:
+        raise ConfigError(f"tuning of plan {plan.name}: {len(marked)} run(s) finished elsewhere "
+                          f"are here only as markers, without their metrics (e.g. {marked[0]});"
+                          " unpack their --pack archive into the plan's out_dir, or pass "
+                          "--choices with the choices.json the tuning wrote")
     elif missing:
         raise ConfigError(f"tuning of plan {plan.name} is unfinished: {len(missing)} run(s) "
                           f"not final, e.g. {missing[0]}; run `linattn study --plan ... "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -283,8 +284,8 @@ def test_pack_and_markers_carry_a_study_to_another_machine(tmp_path):
 
 def test_a_marker_of_another_configuration_is_stale_and_the_run_trains(tmp_path):
     """Markers carry each run's config: on a machine where the plan asks another
-    configuration for a marked run (its arm tuned again), the marker is removed and the run
-    trains; markers of unchanged runs still skip. A real run of another configuration still
+    configuration for a marked run (its arm's choice moved), the marker is removed and the run
+    trains; markers of unchanged runs skip. A real run of another configuration
     stops the study (exit 2 in the CLI), naming the key."""
     import tarfile
 
@@ -314,6 +315,38 @@ def test_a_marker_of_another_configuration_is_stale_and_the_run_trains(tmp_path)
     first = study.replace_out(plan, other.out_dir)
     with pytest.raises(UserError, match="holds a run of another configuration"):
         study.run_study(first, log=lambda *_: None)
+
+
+def test_stale_markers_go_with_their_family_and_a_refused_plan_removes_none(tmp_path):
+    import tarfile
+
+    plan = _plan(tmp_path)
+    study.run_study(plan, log=lambda *_: None)
+    study.write_markers(plan, tmp_path / "done.tar.gz")
+    other = study.replace_out(plan, tmp_path / "other")
+    other.out_dir.mkdir()
+    with tarfile.open(tmp_path / "done.tar.gz") as tar:
+        tar.extractall(other.out_dir, filter="data")
+    head = other.out_dir / "digits/frozen-T0=2/alpha=0.5/seed=0"
+    branch = other.out_dir / "digits/frozen-T0=0/alpha=0.5/seed=0"
+    fedavg = other.out_dir / "digits/fedavg/alpha=0.5/seed=0"
+    cfg = (branch / "config.yaml").read_text()
+    assert "  lr: 0.01\n" in cfg
+    (branch / "config.yaml").write_text(cfg.replace("  lr: 0.01\n", "  lr: 0.02\n"))
+    # a real run of another configuration beside it: refused, and no marker removed
+    (fedavg / "metrics.csv").write_text("round,client,metric,value,stage\n")
+    (fedavg / "config.yaml").write_text((fedavg / "config.yaml").read_text().replace(
+        "  lr: 0.01\n", "  lr: 0.07\n"))
+    with pytest.raises(UserError, match="fedavg.*holds a run of another configuration"):
+        study.run_study(other, log=lambda *_: None)
+    assert (head / "summary.json").is_file() and (branch / "summary.json").is_file()
+    # without the conflict: the stale branch takes its head's marker along (a family trains
+    # whole, from its head's snapshots); the other markers stay
+    shutil.rmtree(fedavg)
+    counts = study.run_study(other, pattern="digits/frozen*", log=lambda *_: None)
+    assert counts["started"] == 1 and counts["branched"] == 1
+    assert (head / "metrics.csv").is_file() and (branch / "metrics.csv").is_file()
+    assert (other.out_dir / "digits/reference/alpha=0.5/seed=0/summary.json").is_file()
 
 
 def test_deadline_leaves_groups_that_would_not_fit(tmp_path):
@@ -386,35 +419,39 @@ def test_a_slice_not_run_yet_is_priced_by_the_plan_and_a_late_batch_splits(tmp_p
 
 
 def test_a_sweep_not_run_yet_is_priced_by_its_attentions_measured_ratio(tmp_path):
-    """Linear attention measured at twice softmax's pace per unit of local work (in other
-    sweeps) prices a linear-attention sweep not run yet at that ratio of the overall pace."""
+    """Each attention kind's pace per unit of local work, the median over its runs (not its
+    sweeps), relative to the overall median, prices a sweep of that kind not run yet."""
     data = yaml.safe_load(yaml.safe_dump(PLAN))
     data["seeds"] = [0, 1]
     base = dict(data["sweeps"][0], arms=data["sweeps"][0]["arms"][:1])
     lin = [*base["overrides"], "model.attention=linear"]
-    data["sweeps"] = [dict(base, name="soft"), dict(base, name="lin", overrides=lin),
+    data["sweeps"] = [dict(base, name="soft"), dict(base, name="soft2"),
+                      dict(base, name="lin", overrides=lin),
                       dict(base, name="lin40", overrides=[*lin, "train.local_steps=40"])]
     plan = _plan(tmp_path, data)
+    measured = {("soft", 0): 1.0, ("soft", 1): 1.0, ("soft2", 0): 3.0, ("lin", 0): 2.0,
+                ("lin", 1): 2.0}  # soft2's seed 1 has not run
     for spec in study.plan_runs(plan):
-        if spec.sweep.name != "lin40":
+        if (spec.sweep.name, spec.seed) in measured:
             spec.run_dir.mkdir(parents=True)
             (spec.run_dir / "summary.json").write_text(json.dumps(
-                {"status": "completed", "seconds_per_round": 2.0 if spec.sweep.name == "lin"
-                 else 1.0, "device": {"type": "cuda"}}))
+                {"status": "completed", "device": {"type": "cuda"},
+                 "seconds_per_round": measured[spec.sweep.name, spec.seed]}))
     pace = study.measured_pace(study.plan_runs(plan))
-    unit = runner._local_work(study.run_config(study.plan_runs(plan)[0], None))
-    assert pace["*"] == pytest.approx(1.5 / unit)  # the median over the 4 runs
-    assert pace[("*attention", "linear")] == pytest.approx(2.0 / 1.5)
-    assert pace[("*attention", "softmax")] == pytest.approx(1.0 / 1.5)
-    (row,) = study.estimate(plan)
-    work = runner._local_work(study.run_config(study.plan_runs(plan)[-1], None))
-    assert row["sweep"] == "lin40"
-    assert row["gpu_seconds"] == pytest.approx(2 * 3 * (2.0 / unit) * work)
-    # a plan borrowing this pace takes the ratio along
+    floor = runner.WIDTH_FLOOR  # these runs have 10 clients: GPU prices take the floor
+    unit = runner._local_work(study.run_config(study.plan_runs(plan)[0], None), floor)
+    assert pace["*"] == pytest.approx(2.0 / unit)  # the median of the 5 runs
+    assert pace[("*attention", "softmax")] == pytest.approx(0.5)  # median(1, 1, 3) / 2
+    assert pace[("*attention", "linear")] == pytest.approx(1.0)
+    rows = {r["sweep"]: r for r in study.estimate(plan)}
+    work = runner._local_work(study.run_config(study.plan_runs(plan)[-1], None), floor)
+    assert rows["lin40"]["gpu_seconds"] == pytest.approx(2 * 3 * (2.0 / unit) * work * 1.0)
+    assert rows["soft2"]["gpu_seconds"] == pytest.approx(3 * 3.0)  # its own measured pace
+    # a plan borrowing this pace takes the ratios along
     blank = study.load_plan(tmp_path / "plan.yaml", tmp_path / "blank")
     priced = {r["sweep"]: r["gpu_seconds"] for r in study.estimate(blank, pace_plan=plan)}
-    assert priced["lin40"] == pytest.approx(row["gpu_seconds"])
-    assert priced["soft"] == pytest.approx(2 * 3 * 1.0)
+    assert priced["lin40"] == pytest.approx(rows["lin40"]["gpu_seconds"])
+    assert priced["soft"] == pytest.approx(2 * 3 * (2.0 / unit) * unit * 0.5)
 
 
 def test_pending_shards_balance_only_the_unfinished_groups(tmp_path):
@@ -561,12 +598,12 @@ def test_study_workers_share_the_cores(monkeypatch, capsys):
 
 
 def test_the_a_priori_split_weighs_local_steps(tmp_path):
-    """Without a measured pace a round costs max(clients / 50, WIDTH_FLOOR) (1 + K) / 11 of
-    a round of 50 clients at K = 10 (here 10 clients: the floor, a narrow round's sequential
-    steps cost their latency; 100 clients cost twice 50): three runs of
+    """Without a measured pace a round costs (clients / 50) (1 + K) / 11 of a round of 50
+    clients at K = 10 (here 10 clients, 0.2 of that; 100 clients cost twice 50): three runs of
     K = 40 and three of K = 2 split by their work (counting rounds alone would put two K = 40
     runs on one shard and one on the other, each beside K = 2 runs); with a measured pace, a
-    sweep not run yet takes the overall median times its local work."""
+    sweep not run yet takes the overall median times its local work on a GPU, where a round
+    narrower than WIDTH_FLOOR x 50 clients costs its sequential steps' latency: the floor."""
     data = yaml.safe_load(yaml.safe_dump(PLAN))
     data["seeds"] = [0, 1, 2]
     base = data["sweeps"][0]
@@ -575,14 +612,14 @@ def test_the_a_priori_split_weighs_local_steps(tmp_path):
                       for k in (40, 2)]
     plan = _plan(tmp_path, data)
     groups = [[s] for s in study.plan_runs(plan)]
-    floor = runner.WIDTH_FLOOR
-    assert study._group_cost(groups[0]) == pytest.approx(3 * floor * 41 / 11)
-    assert study._group_cost(groups[-1]) == pytest.approx(3 * floor * 3 / 11)
+    assert study._group_cost(groups[0]) == pytest.approx(3 * 0.2 * 41 / 11)
+    assert study._group_cost(groups[-1]) == pytest.approx(3 * 0.2 * 3 / 11)
     wide = load_config("digits_vit", ["partition.num_clients=100", "train.local_steps=10"])
     assert runner._local_work(wide) == pytest.approx(2.0)
     shards = [[g[0].sweep.name for g in study.shard_groups(groups, (k, 2))] for k in range(2)]
     assert [sorted(s) for s in shards] == [["k40", "k40"], ["k2", "k2", "k2", "k40"]]
     pace = {"*": 0.5, "k2": 0.1, ("k2", "fedavg"): 0.1, ("*", "fedavg"): 1.0}
+    floor = runner.WIDTH_FLOOR
     assert study._group_cost(groups[0], pace) == pytest.approx(3 * 0.5 * floor * 41 / 11)
     assert study._group_cost(groups[-1], pace) == pytest.approx(3 * 0.1)
 
@@ -601,7 +638,7 @@ def test_a_stacked_batch_costs_every_family_it_holds(tmp_path):
     batch = [sorted(f, key=lambda s: -s.warmup_rounds) for f in families.values()]
     assert [[s.warmup_rounds for s in f] for f in batch] == [[2, 0], [2, 0]]
     work = runner._local_work(study.run_config(batch[0][0], 2))  # 10 clients, K = 5
-    assert work == pytest.approx(runner.WIDTH_FLOOR * 6 / 11)
+    assert work == pytest.approx(10 / 50 * 6 / 11)
     assert study.batch_cost(batch) == pytest.approx(2 * (3 + 3) * work)
     assert study._group_cost([m for f in batch for m in f]) == pytest.approx((3 + 3 + 1 + 3)
                                                                              * work)

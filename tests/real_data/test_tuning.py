@@ -240,7 +240,7 @@ def test_tuning_runs_marked_elsewhere_leave_their_arm_unchosen(tmp_path):
     """A `--markers` archive holds each finished run's summary.json and no metrics: on the
     machine it is unpacked on, those runs are finished (not trained again) but have no score,
     so with a slice their arm is listed as unfinished and the others are chosen; without one
-    the choice says which run it lacks."""
+    the choice names them and says to unpack their runs."""
     plan = study.load_plan(_write(tmp_path), tmp_path / "out")
     out = tmp_path / "out"
     for i in (0, 1):  # FedAvg's tuning ran here
@@ -259,7 +259,8 @@ def test_tuning_runs_marked_elsewhere_leave_their_arm_unchosen(tmp_path):
     assert table["choices"][0]["chosen"]["grid_point"] == 1
     assert table["unfinished"] == [{"sweep": "digits", "arm": "frozen", "alpha": 0.5,
                                     "runs_not_final": 8}]
-    with pytest.raises(ConfigError, match="8 run\\(s\\) not final.*frozen"):
+    with pytest.raises(ConfigError, match="8 run\\(s\\) finished elsewhere are here only "
+                       "as markers.*frozen.*unpack their --pack archive"):
         study.choose(plan, write=False)
 
 
