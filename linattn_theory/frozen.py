@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.linalg import solve_discrete_lyapunov
 
 from linattn_theory.errors import ParameterError, require
 from linattn_theory.objectives import value_quadratic
@@ -237,5 +236,7 @@ def noise_stationary_term(problem: Problem, kernel: np.ndarray, lr: float, local
             cov_xi += weight**2 * lr**2 * big @ q[c] @ big.T / batch_size
             power = step[c] @ power
     big_a = np.kron(eye_y, stage.transition)
+    from scipy.linalg import solve_discrete_lyapunov  # on use: see make_problem
+
     cov_v = solve_discrete_lyapunov(big_a, cov_xi)
     return 0.5 * float(np.trace(np.kron(eye_y, stage.hessian) @ cov_v))

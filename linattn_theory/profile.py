@@ -16,8 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.linalg import lapack
-from scipy.optimize import minimize
 
 from linattn_theory.errors import ParameterError
 from linattn_theory.objectives import pooled_kernel_gradient, pooled_terms, whiten
@@ -39,6 +37,8 @@ def pooled_quadratic(problem: Problem, kernel: np.ndarray):
 
 def _solve_spd(hessian: np.ndarray, rhs: np.ndarray) -> np.ndarray:
     """H^{-1} C for one symmetric positive definite H (Cholesky; LU if that fails)."""
+    from scipy.linalg import lapack  # on use: see make_problem
+
     factor, solution, info = lapack.dposv(hessian, rhs)
     return solution if info == 0 else np.linalg.solve(hessian, rhs)
 
@@ -136,6 +136,8 @@ def solve_profile(
     def fun(x):
         value, grad = profile_and_gradient(problem, x.reshape(d, d))
         return value, grad.ravel()
+
+    from scipy.optimize import minimize  # on use: see make_problem
 
     best, ends = None, []
     for start in starts:

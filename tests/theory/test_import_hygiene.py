@@ -103,6 +103,23 @@ def test_no_static_torch_or_matplotlib_imports():
     assert offending == []
 
 
+def test_warmup_from_constants_imports_no_scipy():
+    """``linattn warmup`` from constants alone needs numpy only: the theory package imports
+    scipy where it is used (L-BFGS for Phi*, expm for covariate shift, the Lyapunov solve),
+    which keeps the command's start-up at the interpreter's and numpy's."""
+    script = ("import json, sys\n"
+              "from linattn.cli import main\n"
+              "code = main(['warmup', '--heterogeneity', '0.5', '--local-steps', '10',"
+              " '--lr', '0.05'])\n"
+              "print('RESULT' + json.dumps([code, sorted(m for m in sys.modules"
+              " if m.split('.')[0] == 'scipy')]))\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
+    assert json.loads(line[len("RESULT"):]) == [0, []]
+
+
 def test_png_is_drawn_outside_the_theory_package(tmp_path):
     """``linattn warmup --png`` works through the router; the theory package holds no I/O."""
     import subprocess
