@@ -17,7 +17,7 @@ import numpy as np
 
 from linattn.configio import parse_overrides
 from linattn.fileio import atomic_write_text
-from real_data.study.plan import Plan
+from real_data.study.plan import Plan, higher_is_better
 from real_data.study.tables import t_interval, write_csv
 
 AGAINST = "fedavg"
@@ -62,7 +62,7 @@ def validation_gaps(plan: Plan, choices: dict) -> list[dict]:
             own, ref = chosen.get((sw.name, alpha)), chosen.get((sw.reference_sweep, alpha))
             if own is None or ref is None or own[1] != ref[1]:  # one metric on both sides
                 continue
-            sign = 1.0 if own[1] == "personal" or own[1].endswith("acc") else -1.0
+            sign = 1.0 if higher_is_better(own[1]) else -1.0
             shift = shift_of(sw)
             rows.append({"sweep": sw.name, "alpha": alpha, "reference": sw.reference_sweep,
                          "kind": (shift or {}).get("kind"), "shift": describe(shift),

@@ -25,6 +25,11 @@ PERSONAL_METRICS = {"test": ("local_ft_acc_micro", "local_acc_micro"),
                     "val": ("local_ft_val_acc_micro", "local_val_acc_micro")}
 
 
+def higher_is_better(metric: str) -> bool:
+    """An accuracy (``*acc``) or a personal score rises with quality; a loss falls."""
+    return metric == "personal" or metric.endswith("acc")
+
+
 @dataclass(frozen=True)
 class Arm:
     """One algorithm setting of a sweep; ``warmup_rounds`` makes it a T0 sweep (FedFrozen)."""

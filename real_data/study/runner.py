@@ -35,7 +35,7 @@ REFERENCE_CLIENTS = 50  # a unit of work: a round of 50 clients x K = 10 local s
 # its width: FedTP's native protocol (5 clients a round, 85 local steps, stacked groups of 6
 # runs) measured 0.034 s per run-round and 11 local steps on an H200, against 0.051 for 50
 # clients at K = 10 in the same plan (fair.yaml): 0.66 of the reference width, not 0.1 (the
-# sweep's median; FedTP's own arm, 0.31 s, gives 0.78). A-priori splits on a CPU count width.
+# sweep's median; FedTP's own arm, 0.31 s, gives 0.79). A-priori splits on a CPU count width.
 WIDTH_FLOOR = 0.66
 
 

@@ -198,13 +198,20 @@ def paired_differences(runs: list[dict], against: str = "fedavg",
 def t_interval(diffs, level: float = 0.95) -> tuple[float, float | None, float | None]:
     """(mean, its standard error (ddof = 1; None for fewer than 2), and the half-width of the
     two-sided t interval at ``level`` (None likewise)) of paired differences."""
-    from scipy import stats
 
     d = np.asarray(diffs, dtype=np.float64)
     if d.size < 2:
         return float(d.mean()), None, None
     se = float(d.std(ddof=1) / np.sqrt(d.size))
-    return float(d.mean()), se, float(stats.t.ppf(0.5 + level / 2, d.size - 1) * se)
+    return float(d.mean()), se, t_half_width(se, d.size, level)
+
+
+def t_half_width(se: float, n: int, level: float = 0.95) -> float:
+    """Half-width of the two-sided t interval at ``level`` for a mean of ``n`` values with
+    standard error ``se``."""
+    from scipy import stats
+
+    return float(stats.t.ppf(0.5 + level / 2, n - 1) * se)
 
 
 def compare(runs: list[dict], against: str = "fedavg", metric: str = "score",
@@ -240,7 +247,7 @@ def compare(runs: list[dict], against: str = "fedavg", metric: str = "score",
                                                 0)}
         if n >= 2 and cell["diff_se"] is not None:
             d, se = cell["diff_mean"], cell["diff_se"]
-            half = stats.t.ppf(0.5 + level / 2, n - 1) * se
+            half = t_half_width(se, n, level)
             rec["ci_low"], rec["ci_high"] = d - half, d + half
             if se > 0:
                 p_low = stats.t.sf((d + margin) / se, n - 1)  # H0: diff <= -margin
@@ -511,7 +518,7 @@ def write_markers(plan: Plan, dest: Path) -> int:
     whose whole group (a T0 family, or a single run) is finished, and the plan's pretrained
     files: unpacked into ``out_dir`` on a fresh machine, it makes the study skip exactly those
     groups (an unfinished family reruns from its head, which keeps the snapshots its branches
-    need) and start FedSQ from the same pretrained S. A marked run whose configuration the
+    need) and start FedSQ from the same pretrained S. A marked run whose configuration
     differs from the plan's (a final run whose arm's choice moved) trains there again
     (:func:`check_existing`). Returns the number of runs marked."""
     dest = Path(dest)

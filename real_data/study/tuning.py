@@ -53,6 +53,7 @@ from real_data.study.plan import (
     Arm,
     Plan,
     Sweep,
+    higher_is_better,
     inside,
     override_value,
     run_key,
@@ -120,7 +121,7 @@ def _score(run_dir: Path, metric: str, last: int, head: Path | None = None
     branch's T0 (no snapshot), the branch is the same diverged trajectory and scores as
     diverged."""
     status = run_status(run_dir)
-    worst = -np.inf if metric.endswith("acc") or metric == PERSONAL else np.inf
+    worst = -np.inf if higher_is_better(metric) else np.inf
     if status in ("missing", "partial") and head is not None and head != run_dir \
             and run_status(head) == "diverged" and \
             not (head / "checkpoints" / f"round_{_t0_of(run_dir)}.pt").is_file():
@@ -164,7 +165,7 @@ def choose(plan: Plan, write: bool = True, partial: bool = False) -> dict:
     unfinished = []
     for sw in plan.sweeps:
         metric = PERSONAL if sw.score == PERSONAL else tune.metric
-        higher = metric == PERSONAL or metric.endswith("acc")
+        higher = higher_is_better(metric)
         for arm in sw.arms:
             if arm.reference:
                 continue
@@ -352,7 +353,7 @@ def schedule_gains(choices: dict, against: str = "fedavg") -> list[dict]:
     score) has no row."""
     def sign_of(c) -> float:  # an entry's own metric (a personal sweep's), else the table's
         metric = c.get("metric") or choices.get("metric", "val_acc")
-        return 1.0 if metric == PERSONAL or metric.endswith("acc") else -1.0
+        return 1.0 if higher_is_better(metric) else -1.0
 
     def top(pool):
         return max(pool, key=lambda x: sign * float(x["score"])) if pool else None
@@ -411,7 +412,7 @@ def write_schedule_gains(choices: dict, folder: Path | str,
     w.writeheader()
     w.writerows(rows)
     atomic_write_text(folder / "schedule_gain.csv", buf.getvalue())
-    acc = choices.get("metric", "val_acc").endswith("acc")
+    acc = higher_is_better(choices.get("metric", "val_acc"))
     scale, unit = (100.0, "points") if acc else (1.0, "loss units, positive = lower loss")
 
     def pts(x):
