@@ -230,6 +230,14 @@ def _study(argv: list[str]) -> int:
                     help="write the summary.json and config.yaml of every finished run "
                     "group; unpacked into out_dir on a fresh machine, the study skips them (a "
                     "marked run whose configuration differs from the plan's trains again)")
+    ap.add_argument("--pack-partial", type=Path, metavar="FILE.tar.gz",
+                    help="then archive every started, unfinished run group whole (checkpoints "
+                    "included), so another machine resumes it (--restore-partial) where a "
+                    "killed call left it")
+    ap.add_argument("--restore-partial", type=Path, metavar="FILE.tar.gz",
+                    help="train nothing: put the run groups of a --pack-partial archive into "
+                    "out_dir (a group this machine trained, or finished, is kept as it is); "
+                    "the next call resumes them")
     ap.add_argument("--no-tables", action="store_true",
                     help="skip writing the tables (e.g. on a GPU host, before --pack)")
     ap.add_argument("--list", action="store_true", help="list the plan's runs and their status")
@@ -352,7 +360,7 @@ def _study(argv: list[str]) -> int:
                       "configuration (tuning unfinished, absent from --choices, or a T0 "
                       "not chosen); skipped")
             slices = selecting if partial else args.slice
-            if choices is None and not args.list:
+            if choices is None and not args.list and args.restore_partial is None:
                 study.write_choices(full, table)
             print("study: chosen configurations in "
                   f"{args.choices or full.out_dir / study.CHOICES_FILE}")
@@ -371,6 +379,14 @@ def _study(argv: list[str]) -> int:
             print(f"  total: {sum(r['runs'] for r in rows)} runs, "
                   f"{sum(r['run_rounds'] for r in rows):,d} run-rounds"
                   + (f", {sum(total):,.0f} GPU-s" if rows and None not in total else ""))
+            continue
+        if args.restore_partial is not None:
+            got = study.restore_partial(plan, args.restore_partial)
+            print(f"study{'' if stage == 'plain' else ' (' + stage + ')'}: restored "
+                  f"{got['restored']} unfinished runs from {args.restore_partial}, kept "
+                  f"{got['kept']} this machine holds"
+                  + (f"; {got['other']} files of no run of this stage left out"
+                     if got["other"] else ""))
             continue
         if args.list:
             for spec in study.plan_runs(plan):
@@ -418,13 +434,17 @@ def _study(argv: list[str]) -> int:
                         paths += study.write_schedule_gains(json.loads(dest.read_text()),
                                                             folder)
                 print(f"wrote {', '.join(str(p) for p in paths)}")
-    if args.list or args.pretrain_only or args.estimate:
+    if args.list or args.pretrain_only or args.estimate or args.restore_partial is not None:
         return 0
     if args.markers is not None:
         print(f"marked {study.write_markers(plan, args.markers)} finished runs in {args.markers}")
     if args.pack is not None:
         packed = study.pack_results(plan, args.pack)
         print(f"packed {packed['runs']} runs, {packed['snapshots']} snapshots into {args.pack}")
+    if args.pack_partial is not None:
+        part = study.pack_partial(plan, args.pack_partial)
+        print(f"packed {part['runs']} runs of {part['families']} unfinished groups "
+              f"({part['bytes'] / 2**20:.1f} MiB before compression) into {args.pack_partial}")
     if failed:
         print(f"study: {failed} run(s) failed; see the FAILED lines above", file=sys.stderr)
         return 1

@@ -9,6 +9,11 @@
 # DONE_ARCHIVE (optional): a `linattn study --markers` archive
 # of the groups finished on earlier machines, so they are skipped here (a marked run whose
 # configuration differs from the plan's, say a final run whose arm's choice moved, trains).
+# PARTIAL_ARCHIVE (optional): the parts (a glob, e.g. DIR/partial_runs.tar.gz.part*) of a
+# --pack-partial archive an earlier call wrote: the run groups it killed, restored whole so they
+# resume here (`linattn study --restore-partial`; a group this machine trained is kept).
+# At the end, besides the finished runs, OUTDIR/partial_runs.tar.gz.partNN archives the groups
+# still unfinished (whole, checkpoints included), if any: carry them to the next machine.
 # Each worker (--shard k/n) takes the machine's cores divided by the n workers as its CPU
 # threads (`linattn study --threads`); OMP_NUM_THREADS, when set, decides instead.
 # Usage: bash scripts/gpu_study.sh PLAN SECONDS WORKERS_PER_GPU OUTDIR [study options]
@@ -28,6 +33,12 @@ start=$(date +%s)
 if [ -n "${DONE_ARCHIVE:-}" ]; then
   dest=$(python -c "from real_data import study; print(study.load_plan('$plan').out_dir)")
   mkdir -p "$dest" && tar -xzf "$DONE_ARCHIVE" -C "$dest" || exit 1
+fi
+if [ -n "${PARTIAL_ARCHIVE:-}" ]; then
+  # shellcheck disable=SC2086  # the glob names the parts, in order
+  cat $PARTIAL_ARCHIVE > "$out/restore.tar.gz" || exit 1
+  python -m linattn study --plan "$plan" --restore-partial "$out/restore.tar.gz" "$@" || exit 1
+  rm -f "$out/restore.tar.gz"
 fi
 # the pretraining jobs the selection needs, spread over the GPUs (the k-th of every ngpu jobs)
 # (killed well before the call's limit, so the markers of what exists still get written)
@@ -67,7 +78,12 @@ kill "$monitor" 2>/dev/null
 echo "workers stopped after $(($(date +%s) - start)) s"
 python -m linattn study --plan "$plan" --list "$@" | awk '{print $1}' | sort | uniq -c
 python -m linattn study --plan "$plan" --aggregate-only --no-tables \
-  --pack "$out/study_runs.tar.gz" --markers "$out/done_markers.tar.gz" "$@" | tail -2
+  --pack "$out/study_runs.tar.gz" --pack-partial "$out/partial_runs.tar.gz" \
+  --markers "$out/done_markers.tar.gz" "$@" | tail -3
 split -b 12M -d "$out/study_runs.tar.gz" "$out/study_runs.tar.gz.part" && rm "$out/study_runs.tar.gz"
+if [ -n "$(tar -tzf "$out/partial_runs.tar.gz" 2>/dev/null | head -n 1)" ]; then
+  split -b 12M -d "$out/partial_runs.tar.gz" "$out/partial_runs.tar.gz.part"
+fi
+rm -f "$out/partial_runs.tar.gz"
 tar -czf "$out/logs.tar.gz" -C "$out" logs && rm -rf "$out/logs"
 ls -la "$out"

@@ -67,7 +67,8 @@ nearest gap, in ``difficulty.{csv,md}`` (:mod:`~real_data.study.difficulty`).
 The parts: :mod:`~real_data.study.plan` (the plan file, its runs and their configs),
 :mod:`~real_data.study.runner` (running, resuming, sharding),
 :mod:`~real_data.study.tuning` (the tuning stage and the choice),
-:mod:`~real_data.study.difficulty` (a shift's difficulty) and
+:mod:`~real_data.study.difficulty` (a shift's difficulty),
+:mod:`~real_data.study.carry` (unfinished groups moved to another machine) and
 :mod:`~real_data.study.tables` (aggregation, tables, comparisons, archives). This package
 gathers their public names, so ``from real_data import study`` is all a caller needs.
 """
@@ -75,6 +76,7 @@ gathers their public names, so ``from real_data import study`` is all a caller n
 
 from __future__ import annotations
 
+from real_data.study.carry import pack_partial, restore_partial
 from real_data.study.plan import (
     Arm,
     Plan,
@@ -182,6 +184,7 @@ __all__ = [
     "load_plan",
     "measured_pace",
     "estimate",
+    "pack_partial",
     "pack_results",
     "paired_differences",
     "plan_runs",
@@ -189,6 +192,7 @@ __all__ = [
     "run_config",
     "run_key",
     "run_overrides",
+    "restore_partial",
     "run_rows",
     "run_status",
     "run_study",

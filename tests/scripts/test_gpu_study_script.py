@@ -90,6 +90,18 @@ def test_gpu_study_script_runs_packs_and_resumes_from_markers(tmp_path):
         ("fedavg", None), ("frozen", 0), ("frozen", 2), ("fedsq", None)}
     assert all(r["n_seeds"] == 2 for r in rows)
 
+    # a group killed after its last checkpoint: packed whole, in two parts, for a fresh machine
+    # (the third call below) that restores it (PARTIAL_ARCHIVE) and resumes it
+    family = [s for s in specs if s.arm.name == "frozen" and s.seed == 0]
+    for s in family:
+        (s.run_dir / "summary.json").unlink()
+    study.write_markers(plan, tmp_path / "markers2.tar.gz")
+    whole = tmp_path / "partial.tar.gz"
+    assert study.pack_partial(plan, whole)["runs"] == 2
+    data = whole.read_bytes()
+    for i, part in enumerate((data[:len(data) // 2], data[len(data) // 2:])):
+        (tmp_path / f"partial.tar.gz.part0{i}").write_bytes(part)
+
     # a fresh machine given the markers: nothing is run again, nothing pretrained again
     shutil.rmtree(out_dir)
     second = call(tmp_path / "out2", DONE_ARCHIVE=str(tmp_path / "out1" / "done_markers.tar.gz"))
@@ -100,6 +112,19 @@ def test_gpu_study_script_runs_packs_and_resumes_from_markers(tmp_path):
                        if m.name.startswith("logs/worker_"))
     assert "start " not in logs and "branch " not in logs
     assert all(study._status(s.run_dir) == "completed" for s in specs)
+
+    # the fresh machine of the partial archive: the group resumes, nothing starts again
+    shutil.rmtree(out_dir)
+    third = call(tmp_path / "out3", DONE_ARCHIVE=str(tmp_path / "markers2.tar.gz"),
+                 PARTIAL_ARCHIVE=str(tmp_path / "partial.tar.gz.part*"))
+    assert third.returncode == 0, third.stdout + third.stderr
+    assert "restored 2 unfinished runs" in third.stdout
+    with tarfile.open(tmp_path / "out3" / "logs.tar.gz") as tar:
+        logs = "".join(tar.extractfile(m).read().decode() for m in tar.getmembers()
+                       if m.name.startswith("logs/worker_"))
+    assert "start " not in logs and "resumed 1" in logs, logs
+    assert all(study._status(s.run_dir) == "completed" for s in specs)
+    assert not list((tmp_path / "out3").glob("partial_runs*"))  # nothing left unfinished
 
 
 def test_gpu_study_script_stops_when_pretraining_fails(tmp_path):
