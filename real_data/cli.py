@@ -319,6 +319,7 @@ def _study(argv: list[str]) -> int:
                 raise UserError(f"--slice {p!r} matches no run of plan {full.name!r}; "
                                 "`linattn study --plan ... --list` shows the run keys")
     failed = 0
+    stage_plans = []  # the plan of every stage reached (what --pack-partial and a restore cover)
     for stage in stages:
         if stage == "tune":
             plan, slices = study.tuning_plan(full), args.slice
@@ -366,6 +367,7 @@ def _study(argv: list[str]) -> int:
                   f"{args.choices or full.out_dir / study.CHOICES_FILE}")
         else:
             plan, slices = full, args.slice
+        stage_plans.append(plan)
         if args.estimate:
             rows = study.estimate(plan, slices, None if args.pace_from is None else
                                   study.load_plan(args.pace_from))
@@ -381,12 +383,6 @@ def _study(argv: list[str]) -> int:
                   + (f", {sum(total):,.0f} GPU-s" if rows and None not in total else ""))
             continue
         if args.restore_partial is not None:
-            got = study.restore_partial(plan, args.restore_partial)
-            print(f"study{'' if stage == 'plain' else ' (' + stage + ')'}: restored "
-                  f"{got['restored']} unfinished runs from {args.restore_partial}, kept "
-                  f"{got['kept']} this machine holds"
-                  + (f"; {got['other']} files of no run of this stage left out"
-                     if got["other"] else ""))
             continue
         if args.list:
             for spec in study.plan_runs(plan):
@@ -434,7 +430,14 @@ def _study(argv: list[str]) -> int:
                         paths += study.write_schedule_gains(json.loads(dest.read_text()),
                                                             folder)
                 print(f"wrote {', '.join(str(p) for p in paths)}")
-    if args.list or args.pretrain_only or args.estimate or args.restore_partial is not None:
+    if args.restore_partial is not None:
+        got = study.restore_partial(stage_plans, args.restore_partial)
+        print(f"study: restored {got['restored']} unfinished runs from {args.restore_partial}, "
+              f"kept {got['kept']} this machine holds"
+              + (f"; {got['other']} files of no run of the selected stages left out"
+                 if got["other"] else ""))
+        return 0
+    if args.list or args.pretrain_only or args.estimate:
         return 0
     if args.markers is not None:
         print(f"marked {study.write_markers(plan, args.markers)} finished runs in {args.markers}")
@@ -442,7 +445,7 @@ def _study(argv: list[str]) -> int:
         packed = study.pack_results(plan, args.pack)
         print(f"packed {packed['runs']} runs, {packed['snapshots']} snapshots into {args.pack}")
     if args.pack_partial is not None:
-        part = study.pack_partial(plan, args.pack_partial)
+        part = study.pack_partial(stage_plans, args.pack_partial)
         print(f"packed {part['runs']} runs of {part['families']} unfinished groups "
               f"({part['bytes'] / 2**20:.1f} MiB before compression) into {args.pack_partial}")
     if failed:

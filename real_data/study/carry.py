@@ -38,14 +38,32 @@ def _started_unfinished(members) -> bool:
     return any(s != "missing" for s in status) and not all(s in FINAL for s in status)
 
 
-def pack_partial(plan: Plan, dest: Path) -> dict:
+def _runs(plans: Plan | list[Plan]) -> tuple[Path, list]:
+    """The out_dir and runs of one plan, or of a tuned plan's stages (one out_dir)."""
+    plans = [plans] if isinstance(plans, Plan) else list(plans)
+    out_dirs = {p.out_dir for p in plans}
+    if len(out_dirs) > 1:
+        raise ValueError(f"plans of one out_dir expected, got {sorted(map(str, out_dirs))}")
+    if not plans:  # no stage selected: nothing to pack or restore
+        return Path("."), []
+    seen, specs = set(), []
+    for p in plans:
+        for s in plan_runs(p):
+            if s.run_dir not in seen:
+                seen.add(s.run_dir)
+                specs.append(s)
+    return out_dirs.pop(), specs
+
+
+def pack_partial(plans: Plan | list[Plan], dest: Path) -> dict:
     """Write ``dest`` (.tar.gz) with the whole run directories of every started, unfinished
-    family of ``plan``; returns ``{"families", "runs", "bytes"}`` (bytes before
-    compression)."""
+    family of ``plans`` (a plan, or the tuning and final plans of one study); returns
+    ``{"families", "runs", "bytes"}`` (bytes before compression)."""
     dest = Path(dest)
+    out_dir, specs = _runs(plans)
     counts = {"families": 0, "runs": 0, "bytes": 0}
     with atomic_path(dest) as tmp, tarfile.open(tmp, "w:gz", compresslevel=6) as tar:
-        for members in families(plan_runs(plan)):
+        for members in families(specs):
             if not _started_unfinished(members):
                 continue
             counts["families"] += 1
@@ -53,7 +71,7 @@ def pack_partial(plan: Plan, dest: Path) -> dict:
                 if not m.run_dir.is_dir():
                     continue
                 counts["runs"] += 1
-                rel = m.run_dir.relative_to(plan.out_dir).as_posix()
+                rel = m.run_dir.relative_to(out_dir).as_posix()
                 for path in sorted(m.run_dir.rglob("*")):
                     if path.is_file() and path.name != LOCK_FILE:
                         tar.add(path, arcname=f"{rel}/{path.relative_to(m.run_dir).as_posix()}",
@@ -85,15 +103,16 @@ def _member_files(tar: tarfile.TarFile, archive: Path, runs: dict) -> tuple[dict
     return by_run, other
 
 
-def restore_partial(plan: Plan, archive: Path) -> dict:
-    """Put the families of a :func:`pack_partial` archive into ``plan.out_dir`` (see the
-    module docstring for what is kept instead); returns ``{"restored", "kept"}`` counted in
-    runs and ``other``, the archive's files of no run of ``plan`` (left out). Each run
+def restore_partial(plans: Plan | list[Plan], archive: Path) -> dict:
+    """Put the families of a :func:`pack_partial` archive into the out_dir of ``plans`` (a
+    plan, or the stages of one study; see the module docstring for what is kept instead);
+    returns ``{"restored", "kept"}`` counted in runs and ``other``, the archive's files of no
+    run of ``plans`` (left out). Each run
     directory is written beside its place and then swapped in, so a kill leaves the old
     directory or the new one (or none, which a later restore fills)."""
     archive = Path(archive)
-    specs = plan_runs(plan)
-    runs = {s.run_dir.relative_to(plan.out_dir).as_posix(): s for s in specs}
+    out_dir, specs = _runs(plans)
+    runs = {s.run_dir.relative_to(out_dir).as_posix(): s for s in specs}
     try:
         tar = tarfile.open(archive, "r:*")
     except (OSError, tarfile.TarError) as exc:
@@ -103,7 +122,7 @@ def restore_partial(plan: Plan, archive: Path) -> dict:
         by_run, other = _member_files(tar, archive, runs)
         counts = {"restored": 0, "kept": 0, "other": other}
         for members in families(specs):
-            keys = [m.run_dir.relative_to(plan.out_dir).as_posix() for m in members]
+            keys = [m.run_dir.relative_to(out_dir).as_posix() for m in members]
             packed = [k for k in keys if k in by_run]
             if not packed:
                 continue
