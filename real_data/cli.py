@@ -254,7 +254,8 @@ def _study(argv: list[str]) -> int:
                     "rounding)")
     ap.add_argument("--stage", choices=("tune", "final"),
                     help="a plan with a tune section: only its tuning runs (every grid point "
-                    "on the tuning seed, scored on validation) or only its final runs (the "
+                    "on the tuning seed, scored on validation; an arm with one candidate "
+                    "takes none) or only its final runs (the "
                     "chosen configurations over every seed); default both, in order")
     ap.add_argument("--choices", type=Path, metavar="choices.json",
                     help="the final stage takes the chosen configurations from this file (the "

@@ -45,7 +45,9 @@ training FLOPs.
 
 A plan with a ``tune`` section and grids runs in two stages: every grid point on a tuning seed
 scored on a validation split, then the chosen configurations over every seed, compared by
-paired intervals and an equivalence test (:mod:`~real_data.study.tuning`).
+paired intervals and an equivalence test (:mod:`~real_data.study.tuning`). An arm with a
+single candidate (one grid point, at most one T0) has nothing to choose and takes no tuning
+run, except FedAvg where a reference sweep reads its validation score.
 
 ``linattn study --plan P --profile`` evaluates the kernel profile Phi (:mod:`real_data.profile`)
 at every T0 snapshot of a T0 arm and of the reference arms and writes kernel bias and drift by

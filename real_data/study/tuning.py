@@ -98,16 +98,28 @@ def _need_tune(plan: Plan) -> None:
                           "last: 5, validation_fraction: 0.1}} and a grid")
 
 
+def _only_candidate(plan: Plan, sweep: Sweep, arm: Arm) -> bool:
+    """An arm with one grid point and at most one T0 has nothing to choose, so it takes no
+    tuning run; except FedAvg in a sweep that has a reference sweep or is one, whose
+    validation score measures the shift's difficulty (:mod:`~real_data.study.difficulty`)."""
+    if len(grid_points(sweep, arm)) * max(1, len(arm.warmup_rounds)) != 1:
+        return False
+    measured = {sw.name for sw in plan.sweeps if sw.reference_sweep} | {
+        sw.reference_sweep for sw in plan.sweeps if sw.reference_sweep}
+    return not (arm.name == "fedavg" and sweep.name in measured)
+
+
 def tuning_plan(plan: Plan) -> Plan:
-    """The tuning stage's runs: every grid point of every non-reference arm, on ``tune.seed``,
-    scored on validation only."""
+    """The tuning stage's runs: every grid point of every non-reference arm with more than
+    one candidate (:func:`_only_candidate`), on ``tune.seed``, scored on validation only."""
     _need_tune(plan)
     extra = (*_held_out(plan), "eval.test=false")
     sweeps = []
     for sw in plan.sweeps:
         arms = tuple(Arm(_tuned_arm(arm, i), (*arm.overrides, *point, *extra),
                          arm.warmup_rounds)
-                     for arm in sw.arms if not arm.reference
+                     for arm in sw.arms
+                     if not arm.reference and not _only_candidate(plan, sw, arm)
                      for i, point in enumerate(grid_points(sw, arm)))
         sweeps.append(dataclasses.replace(sw, arms=arms, seeds=(plan.tune.seed,), grid=()))
     return dataclasses.replace(plan, name=f"{plan.name}-tune", sweeps=tuple(sweeps), tune=None)
@@ -170,6 +182,14 @@ def choose(plan: Plan, write: bool = True, partial: bool = False) -> dict:
             if arm.reference:
                 continue
             points = grid_points(sw, arm)
+            if _only_candidate(plan, sw, arm):  # chosen without a tuning run: no score
+                only = {"grid_point": 0, "overrides": list(points[0]),
+                        "warmup_rounds": (arm.warmup_rounds or (None,))[0], "score": None,
+                        "status": "only candidate"}
+                out["choices"] += [{"sweep": sw.name, "arm": arm.name, "alpha": alpha,
+                                    "metric": metric, "chosen": only, "candidates": [only]}
+                                   for alpha in sw.alphas]
+                continue
             for alpha in sw.alphas:
                 cands = []
                 for i, point in enumerate(points):

@@ -386,3 +386,39 @@ def test_schedule_gains_from_the_tuning_candidates(tmp_path):
     assert study.write_schedule_gains({"choices": []}, tmp_path) == []
     assert not (tmp_path / "schedule_gain.md").exists()
     assert not (tmp_path / "schedule_gain.csv").exists()
+
+
+def test_an_arm_with_one_candidate_takes_no_tuning_run(tmp_path):
+    """An arm with one grid point and one T0 (or none) is chosen without a run: no tuning run,
+    a choice without a score, and its final runs planned before the other arms finish tuning.
+    FedAvg keeps its tuning run where a reference sweep reads its validation score."""
+    data = json.loads(json.dumps(PLAN))
+    sweep = data["sweeps"][0]
+    sweep.pop("grid")
+    sweep["arms"][1]["grid"] = {"train.lr": [0.05, 0.3]}
+    sweep["arms"].append({"name": "rule", "overrides": ["algorithm.name=fedfrozen",
+                                                         "algorithm.train=v"],
+                          "warmup_rounds": [2]})
+    plan = study.load_plan(_write(tmp_path, data), tmp_path / "out")
+    keys = [s.key for s in study.plan_runs(study.tuning_plan(plan))]
+    assert keys and all(k.startswith("digits/frozen+") for k in keys)  # 2 lrs x 2 T0
+    assert len(keys) == 4
+    table = study.choose(plan, False, partial=True)
+    only = {c["arm"]: c for c in table["choices"]}
+    assert set(only) == {"fedavg", "rule"} and table["unfinished"][0]["arm"] == "frozen"
+    assert only["rule"]["chosen"] == {"grid_point": 0, "overrides": [], "warmup_rounds": 2,
+                                      "score": None, "status": "only candidate"}
+    final = study.final_plan(plan, table, partial=True)
+    assert sorted({s.arm.name for s in study.plan_runs(final)}) == ["fedavg", "rule"]
+    assert {s.warmup_rounds for s in study.plan_runs(final) if s.arm.name == "rule"} == {2}
+    with pytest.raises(ConfigError, match="unfinished"):  # the tuned arm still needs its runs
+        study.choose(plan, False)
+    # with a reference sweep, FedAvg's single configuration is tuned (difficulty reads it)
+    ref = json.loads(json.dumps(data))
+    shifted = json.loads(json.dumps(ref["sweeps"][0]))
+    shifted.update(name="shifted", reference_sweep="digits")
+    ref["sweeps"].append(shifted)
+    plan = study.load_plan(_write(tmp_path, ref), tmp_path / "out2")
+    tuned = {s.key.split("/")[0] + "/" + s.arm.name.split("+")[0]
+             for s in study.plan_runs(study.tuning_plan(plan))}
+    assert tuned == {"digits/fedavg", "digits/frozen", "shifted/fedavg", "shifted/frozen"}
