@@ -75,11 +75,34 @@ def families(specs: list[RunSpec]) -> list[list[RunSpec]]:
     return list(out.values())
 
 
-def rounds_left(members: list[RunSpec], rounds: int, skip: frozenset = frozenset()) -> int:
+def rounds_done(run_dir: Path, every: int) -> int:
+    """The round an interrupted run resumes from, read without loading its checkpoint: the
+    last round its ``timings.csv`` lists down to a multiple of its checkpoint cadence
+    ``every``, or the multiple before it where ``checkpoints/last.pt`` is not newer than
+    the timings (killed between a round's rows and its checkpoint, or mtimes too coarse to
+    tell: never more progress than the checkpoint holds); 0 without a checkpoint."""
+    ckpt, timings = run_dir / "checkpoints" / "last.pt", run_dir / "timings.csv"
+    try:
+        lines = timings.read_text().split()
+        last = int(lines[-1].split(",")[0]) if len(lines) > 1 else 0
+        after = ckpt.stat().st_mtime_ns > timings.stat().st_mtime_ns
+    except (OSError, ValueError):  # no checkpoint (it starts again) or no readable timings
+        return 0
+    every = max(1, every)
+    return (last if after else max(0, last - 1)) // every * every
+
+
+def rounds_left(members: list[RunSpec], rounds: int, skip: frozenset = frozenset(),
+                every: int | None = None) -> int:
     """Run-rounds a family still trains: its head all ``rounds``, each branch the rounds after
-    its T0; members in ``skip`` (finished) none."""
-    return (0 if members[0].key in skip else rounds) + sum(
-        rounds - (m.warmup_rounds or 0) for m in members[1:] if m.key not in skip)
+    its T0; members in ``skip`` (finished) none. With ``every`` (the runs' checkpoint
+    cadence), an interrupted member counts only the rounds after the one it resumes from
+    (:func:`rounds_done`), as a group restored on another machine does."""
+    def start(m: RunSpec, t0: int) -> int:
+        return t0 if every is None else max(t0, rounds_done(m.run_dir, every))
+
+    return sum(rounds - start(m, 0 if i == 0 else (m.warmup_rounds or 0))
+               for i, m in enumerate(members) if m.key not in skip)
 
 
 def group_cost(members: list[RunSpec], pace: dict | None = None,
@@ -91,7 +114,7 @@ def group_cost(members: list[RunSpec], pace: dict | None = None,
     round of 50 clients of K = 10 local steps is one unit). Members whose key is in ``skip``
     (finished) cost nothing."""
     cfg = run_config(members[0], members[0].warmup_rounds)  # one read for rounds and work
-    cost = rounds_left(members, int(cfg.train.rounds), skip)
+    cost = rounds_left(members, int(cfg.train.rounds), skip, int(cfg.run.checkpoint_every))
     head = members[0]
     if pace:
         per_round = pace.get((head.sweep.name, head.arm.name))
@@ -363,9 +386,10 @@ def estimate(plan: Plan, pattern: str | list[str] | None = None,
             "priced_by": "measured" if family[0].sweep.name in pace else
             (f"local work at {pace_plan.name}'s pace" if borrowed else
              "local work" if pace else "none")})
-        rounds = int(run_config(family[0], family[0].warmup_rounds).train.rounds)
+        cfg = run_config(family[0], family[0].warmup_rounds)
         row["runs"] += len(left)
-        row["run_rounds"] += rounds_left(family, rounds, finished)
+        row["run_rounds"] += rounds_left(family, int(cfg.train.rounds), finished,
+                                         int(cfg.run.checkpoint_every))
         if pace:
             row["gpu_seconds"] += group_cost(family, pace, finished)
     return list(rows.values())

@@ -15,12 +15,14 @@ import tarfile
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from conftest import REPO, run_cli
 from pause_run import wait_paused
 
 from linattn.errors import DataError
 from real_data import study
+from real_data.study.runner import families
 
 PLAN = {
     "name": "carry",
@@ -122,6 +124,15 @@ def test_a_killed_group_resumes_on_a_fresh_machine_to_identical_metrics(killed):
     fresh = _fresh(tmp, plan_path, "fresh", archives)
     got = study.restore_partial(fresh, archives["partial"])
     assert got == {"restored": packed["runs"], "kept": 0, "other": 0}
+    # priced from where each restored run resumes (its checkpoint's round), not from round 0
+    left = 0
+    for family in families(study.plan_runs(fresh)):
+        for i, s in enumerate(family):  # a branch without a checkpoint starts at its T0
+            ckpt = s.run_dir / "checkpoints" / "last.pt"
+            start = torch.load(ckpt, weights_only=False)["round"] if ckpt.is_file() else \
+                0 if i == 0 else s.warmup_rounds
+            left += 0 if study.run_status(s.run_dir) == "completed" else 4 - start
+    assert [r["run_rounds"] for r in study.estimate(fresh, None)] == [left]
     counts = study.run_study(fresh, log=lambda *_: None)
     assert counts["failed"] == 0 and counts["started"] == 0 and counts["resumed"] >= 1
     for s in study.plan_runs(fresh):
