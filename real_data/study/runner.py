@@ -106,15 +106,18 @@ def rounds_left(members: list[RunSpec], rounds: int, skip: frozenset = frozenset
 
 
 def group_cost(members: list[RunSpec], pace: dict | None = None,
-                skip: frozenset = frozenset()) -> float:
+                skip: frozenset = frozenset(), resumed: bool = False) -> float:
     """Rounds the group trains, times the seconds per round measured for its (sweep, arm)
     where ``pace`` has them (:func:`measured_pace`; an arm not yet run in this sweep takes the
     sweep's median times the arm's ratio measured elsewhere, a sweep not yet run the overall
     median times :func:`_local_work`); without ``pace`` :func:`_local_work` per round (a
     round of 50 clients of K = 10 local steps is one unit). Members whose key is in ``skip``
-    (finished) cost nothing."""
+    (finished) cost nothing. ``resumed``: an interrupted member costs only the rounds after
+    the one it resumes from (:func:`rounds_done`; for a deadline and an estimate, not for
+    the shard split, which must not depend on what has run)."""
     cfg = run_config(members[0], members[0].warmup_rounds)  # one read for rounds and work
-    cost = rounds_left(members, int(cfg.train.rounds), skip, int(cfg.run.checkpoint_every))
+    cost = rounds_left(members, int(cfg.train.rounds), skip,
+                       int(cfg.run.checkpoint_every) if resumed else None)
     head = members[0]
     if pace:
         per_round = pace.get((head.sweep.name, head.arm.name))
@@ -133,10 +136,10 @@ def group_cost(members: list[RunSpec], pace: dict | None = None,
 
 
 def batch_cost(batch: list[list[RunSpec]], pace: dict | None = None,
-               skip: frozenset = frozenset()) -> float:
+               skip: frozenset = frozenset(), resumed: bool = False) -> float:
     """:func:`group_cost` of a stacked batch: the sum over its T0 families (each family's
     head trains all its rounds, its branches the rounds after their T0)."""
-    return sum(group_cost(family, pace, skip) for family in batch)
+    return sum(group_cost(family, pace, skip, resumed) for family in batch)
 
 
 def measured_pace(specs: list[RunSpec], before: float | None = None) -> dict:
@@ -320,7 +323,8 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
         now = time.perf_counter() - start
         finished = frozenset(m.key for m in members if run_status(m.run_dir) in FINAL)
         todo_here = len(finished) < len(members)
-        cost = batch_cost(batch, pace, finished) if deadline_s is not None else 0.0
+        cost = batch_cost(batch, pace, finished, resumed=True) if deadline_s is not None \
+            else 0.0
         # at the pace of the groups run here; before any, a measured pace is already seconds
         ratio = spent / cost_done if cost_done > 0 else (1.0 if pace else None)
         late = deadline_s is not None and ratio is not None and todo_here and \
@@ -391,7 +395,7 @@ def estimate(plan: Plan, pattern: str | list[str] | None = None,
         row["run_rounds"] += rounds_left(family, int(cfg.train.rounds), finished,
                                          int(cfg.run.checkpoint_every))
         if pace:
-            row["gpu_seconds"] += group_cost(family, pace, finished)
+            row["gpu_seconds"] += group_cost(family, pace, finished, resumed=True)
     return list(rows.values())
 
 
