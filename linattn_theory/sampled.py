@@ -230,7 +230,7 @@ def probe_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int
               interval: int | None = None, probe_rounds: int = 10,
               patience: int = 4, max_rate: float = 1.0, margin: float = 1.0,
               window: int = 4, max_probe_fraction: float | None = None, bend: float = 0.5,
-              finish: bool = True) -> ProbeRun:
+              finish: bool = True, probe_fraction: float | None = None) -> ProbeRun:
     """Run finite-sample FedAvg with freeze-now probes every ``interval`` rounds (eq. 36).
 
     Parameters
@@ -246,6 +246,9 @@ def probe_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int
         Rounds between snapshots (default max(1, T // 25)).
     probe_rounds : int
         r, frozen rounds per probe (>= 2); with ``max_probe_fraction`` the first length.
+    probe_fraction : float, optional
+        r as a share of the horizon: r = round(``probe_fraction`` T), in place of
+        ``probe_rounds`` (0 < f <= 1, r >= 2). None (default): ``probe_rounds``.
     max_probe_fraction, bend : float or None, float
         Adaptive probes: a probe whose curve has not bent (fitted q^r > ``bend``) is doubled,
         up to max(r, round(``max_probe_fraction`` T)) rounds
@@ -261,8 +264,14 @@ def probe_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int
     """
     require(isinstance(total_rounds, int | np.integer) and total_rounds >= 1, "total_rounds",
             total_rounds, "an integer T >= 1")
-    require(probe_rounds >= 2, "probe_rounds", probe_rounds, "an integer >= 2")
     t_total = int(total_rounds)
+    if probe_fraction is not None:
+        require(isinstance(probe_fraction, int | float | np.floating)
+                and not isinstance(probe_fraction, bool) and 0.0 < probe_fraction <= 1.0
+                and int(round(probe_fraction * t_total)) >= 2, "probe_fraction",
+                probe_fraction, f"a share in (0, 1] of T = {t_total} giving >= 2 rounds")
+        probe_rounds = int(round(probe_fraction * t_total))
+    require(probe_rounds >= 2, "probe_rounds", probe_rounds, "an integer >= 2")
     interval = max(1, t_total // 25) if interval is None else int(interval)
     data_rng, draw_rng = (np.random.default_rng(s)
                           for s in np.random.SeedSequence(seed).spawn(2))

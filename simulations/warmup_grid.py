@@ -1,7 +1,7 @@
 """The warm-up grid: the path-local bound (eqs. 31-35) and the probe estimator (eq. 36) on
 settings that differ from the validation grid (:mod:`simulations.grid`) in every factor.
 
-28 + 8 (+ 12) settings of a fractional design over dimension d, clients C, context length n,
+28 + 8 (+ 12 + 24) settings of a fractional design over dimension d, clients C, context length n,
 covariate shift rho, heterogeneity zeta (kernel and value), local steps K, step size eta,
 horizon T and the problem seed; no level is one of the validation grid's. Each factor's levels
 appear equally often, in an order shuffled per factor by a fixed generator
@@ -9,7 +9,9 @@ appear equally often, in an order shuffled per factor by a fixed generator
 Settings 20..27 are the held-out part (the bound was fixed before they were run) and 28..35
 the fresh part, a second design run only after the probe estimator was fixed; every part is
 reported. Settings 36..47 (fresh2, a third design, ``count=48``) ran once, after the adaptive
-probe length of :func:`linattn_theory.probe.probe_length` was fixed on the development part.
+probe length of :func:`linattn_theory.probe.probe_length` was fixed on the development part;
+settings 48..71 (fresh3, a fourth design of 24, ``count=72``) ran once, after the probe of
+T / 10 rounds (``probe_fraction=0.1``) was fixed on settings 0..47.
 
 Measured per setting (exact population dynamics for every T0 in 0..T):
 - validity: E(T0) >= R(T0) at every T0;
@@ -48,7 +50,8 @@ LEVELS = {
 NOISE, RIDGE = 0.2, 0.02
 FRESH = 8
 FRESH2 = 12
-PARTS = ("development", "held_out", "fresh", "fresh2")
+FRESH3 = 24
+PARTS = ("development", "held_out", "fresh", "fresh2", "fresh3")
 
 
 @dataclass(frozen=True)
@@ -73,8 +76,10 @@ class WarmupSetting:
 
     @property
     def part(self) -> str:
-        """``development`` (0..19), ``held_out`` (20..27), ``fresh`` (28..35) or ``fresh2``
-        (36..47)."""
+        """``development`` (0..19), ``held_out`` (20..27), ``fresh`` (28..35), ``fresh2``
+        (36..47) or ``fresh3`` (48..71)."""
+        if self.index >= SETTINGS + FRESH + FRESH2:
+            return "fresh3"
         if self.index >= SETTINGS + FRESH:
             return "fresh2"
         if self.index >= SETTINGS:
@@ -108,10 +113,12 @@ def warmup_settings(count: int = SETTINGS + FRESH) -> list[WarmupSetting]:
     """The design: each factor's levels repeated to 28 entries and shuffled by a generator
     seeded with the factor's position (balanced levels, fixed design); the fresh part is a
     second such design of 8 (generators seeded 100 + position), the fresh2 part a third of 12
-    (generators seeded 200 + position), evaluated only when asked for: the first ``count``
-    (36 by default, 48 with fresh2)."""
+    (generators seeded 200 + position) and the fresh3 part a fourth of 24 (generators seeded
+    300 + position), evaluated only when asked for: the first ``count`` (36 by default, 48
+    with fresh2, 72 with fresh3)."""
     settings = (_design(SETTINGS, 0, 0) + _design(FRESH, 100, SETTINGS)
-                + _design(FRESH2, 200, SETTINGS + FRESH))
+                + _design(FRESH2, 200, SETTINGS + FRESH)
+                + _design(FRESH3, 300, SETTINGS + FRESH + FRESH2))
     return settings[:count]
 
 

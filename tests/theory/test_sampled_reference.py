@@ -387,3 +387,33 @@ def test_adaptive_probes_are_prefixes_of_the_fixed_probes(case, monkeypatch):
     assert grown.choice.predictions == pytest.approx(long.choice.predictions, abs=1e-12)
     horizons = total - np.asarray(grown.choice.snapshots)
     assert grown.choice.probe_rounds_used == int(np.sum(np.minimum(cap, horizons)))
+
+
+@pytest.mark.parametrize("case", ["dy1", "dy2_shift", "dy1_to_the_end"])
+def test_probe_fraction_is_the_same_run_as_its_absolute_length(case):
+    """``probe_fraction=f`` runs probes of round(f T) rounds: the same run, to the bit, as
+    ``probe_rounds=round(f T)`` (choice, cost and final model)."""
+    spec, run = CASES[case]
+    problem = make_problem(**spec)
+    start = initial_point(problem)
+    lr, steps, total = run["lr"], run["local_steps"], run["total_rounds"]
+    rest = {k: v for k, v in run.items()
+            if k not in ("lr", "local_steps", "total_rounds", "probe_rounds")}
+    for fraction in (0.1, 0.13):
+        rounds = int(round(fraction * total))
+        absolute = probe_run(problem, start, lr, steps, total, probe_rounds=rounds, **rest)
+        shared = probe_run(problem, start, lr, steps, total, probe_rounds=99,
+                           probe_fraction=fraction, **rest)
+        assert shared.choice == absolute.choice
+        assert shared.rounds_computed == absolute.rounds_computed
+        assert _same(shared.kernel, absolute.kernel) and _same(shared.value, absolute.value)
+
+
+@pytest.mark.parametrize("fraction", [0.0, -0.1, 1.5, float("nan"), float("inf"), True, "0.1",
+                                      0.01])
+def test_bad_probe_fraction_names_the_parameter(fraction):
+    """A share outside (0, 1], not a number, or one giving fewer than 2 rounds (0.01 of
+    T = 60) exits with ParameterError naming ``probe_fraction``."""
+    problem = make_problem(**CASES["dy1"][0])
+    with pytest.raises(ParameterError, match="probe_fraction="):
+        probe_run(problem, initial_point(problem), 0.1, 3, 60, probe_fraction=fraction)

@@ -1,0 +1,36 @@
+"""simulations/warmup_grid.py: the design of the warm-up grid's parts."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+
+from simulations.warmup_grid import FRESH3, LEVELS, PARTS, warmup_settings
+
+# sha256 of "index part label" per line for settings 0..47 (development, held_out, fresh,
+# fresh2), as reported in docs/results/validation.md
+FIRST_48 = "a77aae24c054d89e0ac9c156c073dc6619ac4368ad9e978387788d4260cd7174"
+
+
+def _digest(settings) -> str:
+    text = "\n".join(f"{s.index} {s.part} {s.label}" for s in settings)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def test_fresh3_keeps_the_first_48_settings_and_the_default_count():
+    every = warmup_settings(72)
+    assert _digest(every[:48]) == FIRST_48 == _digest(warmup_settings(48))
+    assert [s.label for s in warmup_settings()] == [s.label for s in every[:36]]
+    assert [s.problem().kernel_teachers.tolist() for s in every[:48:7]] == \
+        [s.problem().kernel_teachers.tolist() for s in warmup_settings(48)[::7]]
+    assert Counter(s.part for s in every) == {"development": 20, "held_out": 8, "fresh": 8,
+                                              "fresh2": 12, "fresh3": FRESH3}
+    assert PARTS[-1] == "fresh3" and [s.index for s in every] == list(range(72))
+
+
+def test_fresh3_is_a_balanced_design():
+    fresh3 = [s for s in warmup_settings(72) if s.part == "fresh3"]
+    assert len(fresh3) == 24
+    for name, levels in LEVELS.items():
+        counts = Counter(getattr(s, name) for s in fresh3)
+        assert set(counts) == set(levels) and len(set(counts.values())) == 1, name
