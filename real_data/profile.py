@@ -52,7 +52,7 @@ constant step size (a doubled budget's checkpoints include those of the budget).
 cadence, :data:`DEFAULT_EVAL_EVERY` = 250 steps (``steps`` when the budget is shorter), reads
 the curve about 7 times per pass over the study's 54,000 pooled samples at batch 32; on the
 study's ViT, reading the measured curves every 500, 1,000 or 2,000 steps instead moves Phi by
-at most 0.03%, 0.25% and 0.38%, so 250 resolves the minimum far below the check's 1%. On one
+up to 0.03%, 0.25% and 1.2%, so 250 resolves the minimum far below the check's 1%. On one
 CPU thread an evaluation of the 6,000 validation samples for a stack of two kernels costs
 7.6 s, about 80 of its training steps (0.094 s each), so the cadence adds about 30% there
 (``docs/study/phi_budget/phi_budget.md``).
