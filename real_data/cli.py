@@ -302,7 +302,8 @@ def _study(argv: list[str]) -> int:
         return _study_profile(args, full, shard)
     if args.pace_from is not None and not args.estimate:
         raise UserError("--pace-from: only with --estimate")
-    for flag in ("profile_steps", "profile_lr", "profile_batch_size", "device"):
+    for flag in ("profile_steps", "profile_lr", "profile_batch_size", "profile_phi_rule",
+                 "profile_eval_every", "device"):
         if getattr(args, flag) is not None:
             raise UserError(f"--{flag.replace('_', '-')}: only with --profile")
     if args.stage is not None and full.tune is None:
@@ -475,6 +476,15 @@ def _budget_options(ap, prefix: str, lead: str, whose: str) -> None:
                     "train.optimizer, train.momentum, train.weight_decay) or adam "
                     "(torch.optim.Adam, betas 0.9/0.999, eps 1e-8, the run's weight decay); "
                     "both clip as the run does (train.clip_grad_norm); default run")
+    ap.add_argument(f"{prefix}phi-rule", default=None, metavar="RULE",
+                    help=f"{lead}how Phi is read: min (the minimum of the validation loss over "
+                    f"the budget, evaluated every {prefix}eval-every steps: early stopping on "
+                    "the validation split) or last (the validation loss after the last step; "
+                    "the rule of every record without a phi_rule field); default min")
+    ap.add_argument(f"{prefix}eval-every", type=int, default=None, metavar="E",
+                    help=f"{lead}the min rule's cadence: the validation loss is read every E "
+                    "steps and after the last (default 250, or N when the budget is shorter; "
+                    "1 <= E <= N; part of the profile cache's key)")
 
 
 def _budget(args, prefix: str, seed: int | None = None):
@@ -482,10 +492,16 @@ def _budget(args, prefix: str, seed: int | None = None):
     from real_data.profile import DEFAULT_STEPS, Budget
 
     steps = getattr(args, f"{prefix}steps")
+    rule = getattr(args, f"{prefix}phi_rule")
     return Budget(DEFAULT_STEPS if steps is None else steps, getattr(args, f"{prefix}lr"),
                   getattr(args, f"{prefix}batch_size"), seed,
                   schedule=getattr(args, f"{prefix}schedule"),
-                  optimizer=getattr(args, f"{prefix}optimizer"))
+                  optimizer=getattr(args, f"{prefix}optimizer"),
+                  phi_rule=COMMAND_PHI_RULE if rule is None else rule,
+                  eval_every=getattr(args, f"{prefix}eval_every"))
+
+
+COMMAND_PHI_RULE = "min"  # the commands' rule when --phi-rule is not given
 
 
 def _profile(argv: list[str]) -> int:
@@ -494,9 +510,11 @@ def _profile(argv: list[str]) -> int:
         description="The kernel profile Phi(M) of a run, by its definition: Q/K frozen at the "
         "kernel M of a snapshot, every other parameter trained from the run's initial "
         "parameters on the pooled training data (all clients' training samples; the run's "
-        "validation split held out), Phi = the validation loss after --steps minibatch steps "
+        "validation split held out) for --steps minibatch steps "
         "(the run's optimizer, train.lr and train.batch_size unless given; --optimizer adam: "
-        "Adam at --lr, default 0.001). Each kernel is "
+        "Adam at --lr, default 0.001); Phi = the minimum of the validation loss over the "
+        "budget, read every --eval-every steps (--phi-rule min, the default), or the "
+        "validation loss after the last step (--phi-rule last). Each kernel is "
         "also trained to twice the budget and the relative change of Phi is reported "
         "(converged: below 1 percent). The run must hold out a validation split "
         "(partition.validation_fraction).")
@@ -547,8 +565,11 @@ def _profile(argv: list[str]) -> int:
         check = ("" if r["relative_change"] is None else
                  f", 2N: {r['phi_doubled']:.4f} (change {100 * r['relative_change']:.2f}%"
                  f"{'' if r['converged'] else ', NOT converged'})")
-        print(f"{label}: Phi {r['phi']:.4f} (val acc {r['val_acc']:.4f}) after "
-              f"{r['steps']} steps{check}, {r['seconds']:.1f} s")
+        where = (f"after {r['steps']} steps" if r["phi_rule"] == "last" else
+                 f"min over {r['steps']} steps (every {r['eval_every']}) at step "
+                 f"{r['phi_step']}; last {r['val_loss_last']:.4f}")
+        print(f"{label}: Phi {r['phi']:.4f} (val acc {r['val_acc']:.4f}) {where}{check}, "
+              f"{r['seconds']:.1f} s")
     if args.json is not None:
         import json
 

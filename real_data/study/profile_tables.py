@@ -26,10 +26,12 @@ bias curves are comparable; it is not a minimum over kernels, and a bias below 0
 of the reference's trajectory before T already profiles better than the last one.
 
 Every Phi is cached as JSON under ``<out_dir>/profiles/<sweep>/<alpha>/seed=<s>/`` (named by
-kernel and budget), so the evaluation resumes after a kill and shards over workers
-(``linattn study --plan P --profile --shard k/n``). The tables, ``kernel_profile.{csv,json,md}``,
-hold one row per cell, T0 arm, T0 and reference (Phi values, bias, drift, the doubled-budget
-checks) and the mean +- std over seeds.
+kernel and budget, the budget's rule and cadence included: ``__steps4000_min250``; a name
+without a rule holds the ``last`` rule's Phi, and a record read from it without a
+``phi_rule`` field is labelled ``last``), so the evaluation resumes after a kill and shards
+over workers (``linattn study --plan P --profile --shard k/n``). The tables,
+``kernel_profile.{csv,json,md}``, hold one row per cell, T0 arm, T0 and reference (Phi values,
+bias, drift, the doubled-budget checks, the rule that read Phi) and the mean +- std over seeds.
 """
 
 from __future__ import annotations
@@ -153,6 +155,7 @@ def profile_plan(plan: Plan, budget, log=print, device: str | None = None,
             cache = _cache_file(cell, kind, arm, t, budget)
             if cache.is_file():
                 res = json.loads(cache.read_text())
+                res.setdefault("phi_rule", "last")  # written before the rule was recorded
                 records.append({"sweep": cell["sweep"], "alpha": cell["alpha"],
                                 "seed": cell["seed"], "kind": kind, "arm": arm, "round": t,
                                 "best": cell["best"], **res})
@@ -193,7 +196,9 @@ def bias_drift(records: list[dict]) -> list[dict]:
                         "rel_change_ref": ref.get("relative_change"),
                         "rel_change_best": best.get("relative_change"),
                         "converged": all(bool(x.get("converged")) for x in (fed, ref, best)),
-                        "steps": fed.get("steps")})
+                        "steps": fed.get("steps"),
+                        "phi_rule": fed.get("phi_rule", "last"),
+                        "eval_every": fed.get("eval_every")})
     return sorted(out, key=lambda r: (*row_order(r), r["reference"]))
 
 
@@ -233,15 +238,21 @@ def write_kernel_profile(rows: list[dict], out_dir: Path, budget=None,
                                                    "batch_size": budget.batch_size,
                                                    "seed": budget.seed,
                                                    "schedule": budget.schedule,
-                                                   "optimizer": budget.optimizer},
+                                                   "optimizer": budget.optimizer,
+                                                   "phi_rule": budget.phi_rule,
+                                                   "eval_every": budget.eval_every},
             "phi_best": BEST_RULE, "rows": rows, "summary": summary,
             "t0_choice": t0_choice or []}
     atomic_write_text(paths[1], json.dumps(meta, indent=1))
     steps = "" if budget is None else (
-        f" after {budget.steps} steps (check: {2 * budget.steps})"
+        f" for {budget.steps} steps (check: {2 * budget.steps})"
         + ("" if budget.schedule == "constant" else f", {budget.schedule} step size")
         + ("" if budget.optimizer == "run" else f", {budget.optimizer}"))
-    lines = [f"Phi: validation loss with Q/K frozen, the rest trained on the pooled training "
+    read = ("the validation loss" if budget is None else
+            "the validation loss after the last step" if budget.phi_rule == "last" else
+            f"the minimum of the validation loss over the budget, read every "
+            f"{budget.eval_every} steps")
+    lines = [f"Phi: {read}, with Q/K frozen and the rest trained on the pooled training "
              f"data{steps}. bias = Phi(M_ref,T0) - Phi_best, drift = Phi(M_T0) - "
              f"Phi(M_ref,T0); {BEST_RULE}. Mean +- std over seeds; converged: seeds whose "
              "three kernels changed Phi by < 1% at twice the budget.", "",

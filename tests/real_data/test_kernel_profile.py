@@ -5,6 +5,7 @@ shipped P3 plan."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -16,7 +17,14 @@ import yaml
 from linattn.cli import main as linattn_main
 from linattn.errors import ConfigError
 from real_data import study
-from real_data.profile import ADAM_LR, PROFILE_STREAM, Budget, kernel_profile, run_setup
+from real_data.profile import (
+    ADAM_LR,
+    DEFAULT_EVAL_EVERY,
+    PROFILE_STREAM,
+    Budget,
+    kernel_profile,
+    run_setup,
+)
 
 # a tiny run that holds out a validation split, trained with every part of the SGD rule the
 # profile replays (momentum, weight decay, clipping)
@@ -52,12 +60,13 @@ def run64(tmp_path_factory):
 
 
 def plain_phi(run_dir, snapshot, steps: int, cosine: bool = False, optimizer: str = "sgd",
-              lr: float | None = None) -> tuple[float, float]:
+              lr: float | None = None, read_at: tuple[int, ...] | None = None, qk_tensors=None):
     """Phi by hand, in the run's precision: the run's initial model, Q/K from the snapshot and
     frozen, torch's SGD with the run's momentum (or ``torch.optim.Adam``) with the run's weight
     decay and ``clip_grad_norm_`` on the pooled training samples in the documented order
     (``cosine``: step t at lr (1 + cos(pi t / steps)) / 2; ``lr``: default the run's), the
-    validation loss and accuracy at the end."""
+    validation loss and accuracy at the end. ``read_at``: the ``(step, loss, accuracy)`` after
+    each of these steps instead; ``qk_tensors``: Q/K from this dict instead of the snapshot."""
     import math
 
     from linattn.configio import load_yaml
@@ -72,7 +81,8 @@ def plain_phi(run_dir, snapshot, steps: int, cosine: bool = False, optimizer: st
     part = load_partition(run_dir / "partition.npz")
     model = build_model("vit", cfg.model.params, cfg.role_seed("training"), dtype)
     qk = set(names_of_kind(model.param_groups(), "qk"))
-    snap = torch.load(snapshot, weights_only=False)["global_params"]
+    snap = (torch.load(snapshot, weights_only=False)["global_params"] if qk_tensors is None
+            else qk_tensors)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n in qk:
@@ -94,6 +104,15 @@ def plain_phi(run_dir, snapshot, steps: int, cosine: bool = False, optimizer: st
         whole = len(pooled) // t.batch_size
         batches += list(perm[: whole * t.batch_size].reshape(whole, t.batch_size))
     x, y = data.x_train.to(dtype), data.y_train
+
+    def validate():
+        with torch.no_grad():
+            val = torch.as_tensor(part.val_pooled)
+            logits = model(x[val])
+            return (float(F.cross_entropy(logits, y[val])),
+                    float((logits.argmax(1) == y[val]).double().mean()))
+
+    curve = []
     for step, b in enumerate(batches[:steps]):
         if cosine:
             opt.param_groups[0]["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / steps))
@@ -103,11 +122,9 @@ def plain_phi(run_dir, snapshot, steps: int, cosine: bool = False, optimizer: st
         loss.backward()
         torch.nn.utils.clip_grad_norm_(rest, t.clip_grad_norm)
         opt.step()
-    with torch.no_grad():
-        val = torch.as_tensor(part.val_pooled)
-        logits = model(x[val])
-        return (float(F.cross_entropy(logits, y[val])),
-                float((logits.argmax(1) == y[val]).double().mean()))
+        if read_at is not None and step + 1 in read_at:
+            curve.append((step + 1, *validate()))
+    return validate() if read_at is None else curve
 
 
 def test_phi_equals_a_plain_loop(run_dir):
@@ -466,3 +483,214 @@ def test_bad_optimizer_inputs_exit_2_and_write_nothing(run64, tmp_path, capsys):
                              "--profile", *bad])
         assert code == 2 and flag in capsys.readouterr().err
         assert not (tmp_path / "o").exists()
+
+
+# --- the min rule: Phi = the minimum of the validation loss over checkpoints every E steps
+
+EVERY = 7  # checkpoints of a 30-step budget: 7, 14, 21, 28 and 30; of 60: 7 .. 56 and 60
+
+
+def plain_min(curve) -> tuple[float, float, int]:
+    """The minimum over a plain loop's ``(step, loss, acc)`` checkpoints, by hand: (loss, acc
+    there, step), the earliest step on a tie."""
+    best = None
+    for step, loss, acc in curve:
+        if best is None or loss < best[0]:
+            best = (loss, acc, step)
+    return best
+
+
+def checkpoints(steps: int, every: int) -> tuple[int, ...]:
+    return tuple(sorted(set(range(every, steps + 1, every)) | {steps}))
+
+
+@pytest.mark.parametrize("optimizer,lr,schedule", [("sgd", None, "cosine"),
+                                                   ("adam", 0.02, "constant")])
+def test_min_rule_equals_a_plain_float64_loop(run64, optimizer, lr, schedule):
+    """Phi under the min rule is the minimum of a plain torch loop's validation loss over the
+    checkpoints every E steps and after the last (float64: to 1e-10), with the step, the
+    accuracy there and the last step's loss and accuracy; the doubled budget the same over
+    its own checkpoints (constant: the same training continued; cosine: one of its own). In
+    both settings the validation loss turns up inside the budget, so the minimum is not the
+    last step's loss."""
+    setup = run_setup(run64)
+    snap = run64 / "checkpoints" / "round_3.pt"
+    cosine = schedule == "cosine"
+    budget = Budget(STEPS, lr=lr, schedule=schedule, optimizer="adam" if lr else "run",
+                    phi_rule="min", eval_every=EVERY)
+    res = setup.phi(snap, budget)
+    curve = plain_phi(run64, snap, STEPS, cosine, optimizer, lr,
+                      read_at=checkpoints(STEPS, EVERY))
+    phi, acc, at = plain_min(curve)
+    assert [c[0] for c in curve] == [7, 14, 21, 28, 30]
+    assert res["phi_rule"] == "min" and res["eval_every"] == EVERY
+    assert res["phi"] == pytest.approx(phi, rel=1e-10, abs=1e-10)
+    assert res["phi_step"] == at < STEPS  # the loss turns up: the minimum is inside
+    assert res["val_acc"] == pytest.approx(acc, abs=1e-12)
+    assert res["val_loss_last"] == pytest.approx(curve[-1][1], rel=1e-10, abs=1e-10)
+    assert res["val_acc_last"] == pytest.approx(curve[-1][2], abs=1e-12)
+    assert res["phi"] < res["val_loss_last"] - 1e-4
+    assert [s for s, *_ in res["val_curve"]] == [7, 14, 21, 28, 30]
+    for (s, loss, a), (s0, loss0, a0) in zip(res["val_curve"], curve, strict=True):
+        assert s == s0 and loss == pytest.approx(loss0, rel=1e-10, abs=1e-10)
+        assert a == pytest.approx(a0, abs=1e-12)
+    # the check: the minimum over the doubled budget's own checkpoints (every 7 to 56, 60)
+    curve2 = plain_phi(run64, snap, 2 * STEPS, cosine, optimizer, lr,
+                       read_at=checkpoints(2 * STEPS, EVERY))
+    phi2, acc2, at2 = plain_min(curve2)
+    assert res["phi_doubled"] == pytest.approx(phi2, rel=1e-10, abs=1e-10)
+    assert res["phi_step_doubled"] == at2
+    assert res["val_acc_doubled"] == pytest.approx(acc2, abs=1e-12)
+    assert res["val_loss_last_doubled"] == pytest.approx(curve2[-1][1], rel=1e-10, abs=1e-10)
+    assert res["relative_change"] == pytest.approx(abs(phi2 - phi) / phi, rel=1e-8)
+    assert res["converged"] == (res["relative_change"] < 0.01)
+    # the doubled budget alone reads the same value: one definition of Phi at 2N
+    alone = setup.phi(snap, dataclasses.replace(budget, steps=2 * STEPS, check=False))
+    assert alone["phi"] == pytest.approx(res["phi_doubled"], rel=1e-12)
+    assert alone["phi_step"] == res["phi_step_doubled"]
+    # evaluating changes nothing in the training: the last step is the last rule's Phi, to
+    # the bit (the rule the old records and caches hold)
+    last = setup.phi(snap, dataclasses.replace(budget, phi_rule="last", eval_every=None))
+    assert last["phi_rule"] == "last" and last["eval_every"] is None
+    assert last["phi"] == res["val_loss_last"] and last["val_acc"] == res["val_acc_last"]
+    assert last["phi_doubled"] == res["val_loss_last_doubled"]
+    assert last["phi_step"] == STEPS and "val_curve" not in last
+
+
+def test_stacked_kernels_track_the_minimum_each(run64):
+    """phi_many: each kernel of a stack keeps its own minimum (its own step), equal to its
+    plain loop's and to the kernel profiled alone."""
+    setup = run_setup(run64)
+    snap = run64 / "checkpoints" / "round_3.pt"
+    own = torch.load(snap, weights_only=False)["global_params"]
+    gen = torch.Generator().manual_seed(0)
+    other = {n: 3.0 * own[n] + torch.randn(own[n].shape, generator=gen, dtype=own[n].dtype)
+             for n in setup.qk_names}
+    budget = Budget(STEPS, lr=0.02, optimizer="adam", phi_rule="min", eval_every=EVERY,
+                    check=False)
+    many = setup.phi_many([("snap", snap), ("other", other)], budget, stack=2)
+    assert [r["stacked"] for r in many] == [2, 2]
+    steps = []
+    for rec, kernel in zip(many, ({n: own[n] for n in setup.qk_names}, other), strict=True):
+        curve = plain_phi(run64, snap, STEPS, False, "adam", 0.02,
+                          read_at=checkpoints(STEPS, EVERY), qk_tensors=kernel)
+        phi, acc, at = plain_min(curve)
+        assert rec["phi"] == pytest.approx(phi, rel=1e-10, abs=1e-10)
+        assert rec["phi_step"] == at and rec["val_acc"] == pytest.approx(acc, abs=1e-12)
+        alone = setup.phi(kernel, budget)
+        assert alone["phi"] == pytest.approx(rec["phi"], rel=1e-10)
+        assert alone["phi_step"] == rec["phi_step"]
+        steps.append(at)
+    assert steps[0] != steps[1]  # the two minima lie at different steps
+
+
+def test_the_rule_and_cadence_are_in_the_budget_and_its_key():
+    assert Budget().phi_rule == "last" and Budget().eval_every is None
+    assert Budget(STEPS).tag() == f"steps{STEPS}"  # old caches keep their names
+    assert Budget(4000, phi_rule="min").eval_every == DEFAULT_EVAL_EVERY == 250
+    assert Budget(100, phi_rule="min").eval_every == 100  # a budget shorter than the cadence
+    assert Budget(4000, phi_rule="min").tag() == "steps4000_min250"
+    assert Budget(4000, phi_rule="min", eval_every=500).tag() == "steps4000_min500"
+    assert Budget(8000, schedule="cosine", optimizer="adam", phi_rule="min").tag() == \
+        "steps8000_cosine_adam_min250"
+    assert Budget(4000, phi_rule="min").checkpoints(1000) == (250, 500, 750, 1000)
+    assert Budget(30, phi_rule="min", eval_every=7).checkpoints(30) == (7, 14, 21, 28, 30)
+    assert Budget(30).checkpoints(30) == (30,)
+    for kwargs, flag in (({"phi_rule": "median"}, "--phi-rule"),
+                         ({"phi_rule": "min", "eval_every": 0}, "--eval-every"),
+                         ({"phi_rule": "min", "eval_every": -3}, "--eval-every"),
+                         ({"phi_rule": "min", "eval_every": STEPS + 1}, "--eval-every"),
+                         ({"phi_rule": "min", "eval_every": 2.5}, "--eval-every"),
+                         ({"eval_every": 5}, "--eval-every")):
+        with pytest.raises(ConfigError, match=flag):
+            Budget(STEPS, **kwargs)
+
+
+def test_bad_rule_inputs_exit_2_and_write_nothing(run_dir, tmp_path, capsys):
+    out = tmp_path / "phi.json"
+
+    def cli(*args):
+        code = linattn_main(["profile", "--run", str(run_dir), "--rounds", "0,3", "--json",
+                             str(out), "--steps", "20", *args])
+        return code, capsys.readouterr().err
+
+    for args, flag in ((["--eval-every", "0"], "--eval-every"),
+                       (["--eval-every", "-5"], "--eval-every"),
+                       (["--eval-every", "21"], "--eval-every"),  # above the 20-step budget
+                       (["--phi-rule", "median"], "--phi-rule"),
+                       (["--phi-rule", "last", "--eval-every", "5"], "--eval-every")):
+        code, err = cli(*args)
+        assert code == 2 and flag in err and not out.exists(), args
+    # the command's default is the min rule every 250 steps, or every N below that
+    assert cli("--steps", "6")[0] == 0
+    data = json.loads(out.read_text())["kernels"]
+    assert all(k["phi_rule"] == "min" and k["eval_every"] == 6 and k["phi_step"] == 6
+               and k["val_curve"][0][0] == 6 for k in data)
+    assert cli("--steps", "6", "--eval-every", "4")[0] == 0
+    data = json.loads(out.read_text())["kernels"]
+    assert all(k["eval_every"] == 4 and [c[0] for c in k["val_curve"]] == [4, 6] and
+               [c[0] for c in k["val_curve_doubled"]] == [4, 8, 12] for k in data)
+    assert cli("--steps", "6", "--phi-rule", "last")[0] == 0
+    data = json.loads(out.read_text())["kernels"]
+    assert all(k["phi_rule"] == "last" and k["eval_every"] is None for k in data)
+    # linattn study --profile: checked before anything is written
+    plan = {"name": "tiny_rule", "seeds": [0], "sweeps": [{
+        "name": "digits", "config": "digits_vit", "overrides": RUN, "alphas": [0.5],
+        "arms": [{"name": "frozen", "overrides": ["algorithm.name=fedfrozen",
+                                                   "algorithm.train=all_but_qk"],
+                  "warmup_rounds": [0, 3]},
+                 {"name": "reference", "overrides": ["partition.num_clients=1"],
+                  "reference": True}]}]}
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(plan))
+    for bad, flag in ((["--profile-eval-every", "0"], "--profile-eval-every"),
+                      (["--profile-steps", "10", "--profile-eval-every", "11"],
+                       "--profile-eval-every"),
+                      (["--profile-phi-rule", "best"], "--profile-phi-rule")):
+        code = linattn_main(["study", "--plan", str(path), "--out", str(tmp_path / "o"),
+                             "--profile", *bad])
+        assert code == 2 and flag in capsys.readouterr().err
+        assert not (tmp_path / "o").exists()
+    for bad in (["--profile-phi-rule", "min"], ["--profile-eval-every", "5"]):
+        code = linattn_main(["study", "--plan", str(path), "--out", str(tmp_path / "o"),
+                             *bad])  # without --profile
+        assert code == 2 and bad[0] in capsys.readouterr().err
+        assert not (tmp_path / "o").exists()
+
+
+def test_study_caches_each_rule_apart_and_labels_old_records(tmp_path):
+    """The profile cache's key holds the rule and cadence: a min-rule Phi is never read from a
+    last-rule cache file or the other way round; a cached record written without a phi_rule
+    field (before the rule was recorded) reads back labelled last; the tables name the rule."""
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(PLAN))
+    plan = study.load_plan(path, tmp_path / "out")
+    study.run_study(plan, log=lambda *_: None)
+    last, best = Budget(12), Budget(12, phi_rule="min", eval_every=4)
+    old = study.profile_plan(plan, last, log=lambda *_: None)
+    files = sorted((plan.out_dir / "profiles").rglob("*.json"))
+    assert files and all(f.name.endswith("__steps12.json") for f in files)
+    for f in files:  # as an old cache holds them: no rule recorded
+        rec = json.loads(f.read_text())
+        for key in ("phi_rule", "eval_every", "phi_step", "val_loss_last", "val_acc_last",
+                    "phi_step_doubled", "val_loss_last_doubled", "val_acc_last_doubled"):
+            rec.pop(key)
+        f.write_text(json.dumps(rec))
+    back = study.profile_plan(plan, last, compute=False)
+    assert [r["phi"] for r in back] == [r["phi"] for r in old]
+    assert all(r["phi_rule"] == "last" for r in back)
+    assert study.profile_plan(plan, best, compute=False) == []  # not read from the old files
+    new = study.profile_plan(plan, best, log=lambda *_: None)
+    assert len(new) == len(old) and all(r["phi_rule"] == "min" for r in new)
+    assert len(list((plan.out_dir / "profiles").rglob("*__steps12_min4.json"))) == len(files)
+    for a, b in zip(old, new, strict=True):  # the same trainings, read two ways
+        assert b["phi"] <= b["val_loss_last"]
+        assert b["val_loss_last"] == pytest.approx(a["phi"], rel=1e-6)  # stacked apart
+    rows = study.bias_drift(new)
+    assert rows and all(r["phi_rule"] == "min" and r["eval_every"] == 4 for r in rows)
+    assert all(r["phi_rule"] == "last" for r in study.bias_drift(back))
+    paths = study.write_kernel_profile(rows, tmp_path / "tables", best)
+    meta = json.loads(paths[1].read_text())
+    assert meta["budget"]["phi_rule"] == "min" and meta["budget"]["eval_every"] == 4
+    assert "minimum of the validation loss over the budget, read every 4 steps" in \
+        paths[2].read_text()
