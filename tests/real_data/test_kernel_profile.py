@@ -468,20 +468,26 @@ def test_bad_optimizer_inputs_exit_2_and_write_nothing(run64, tmp_path, capsys):
     assert all(k["optimizer"] == "adam" and k["lr"] == 1e-3 and k["schedule"] == "cosine"
                and k["relative_change"] is not None for k in data["kernels"])
     # linattn study --profile: --profile-optimizer is checked before anything is written
-    plan = {"name": "tiny_adam", "seeds": [0], "sweeps": [{
+    _study_refuses(tmp_path, capsys, [(["--profile-optimizer", "sgdm"], "--profile-optimizer"),
+                                      (["--profile-optimizer", "adam", "--profile-lr", "0"],
+                                       "--profile-lr")])
+
+
+def _study_refuses(tmp_path, capsys, cases, profile: bool = True) -> None:
+    """``linattn study --plan <tiny T0 plan> [--profile] ARGS`` exits 2 naming FLAG, for each
+    (ARGS, FLAG) of ``cases``, and writes nothing."""
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump({"name": "tiny_profile", "seeds": [0], "sweeps": [{
         "name": "digits", "config": "digits_vit", "overrides": RUN, "alphas": [0.5],
         "arms": [{"name": "frozen", "overrides": ["algorithm.name=fedfrozen",
                                                    "algorithm.train=all_but_qk"],
                   "warmup_rounds": [0, 3]},
                  {"name": "reference", "overrides": ["partition.num_clients=1"],
-                  "reference": True}]}]}
-    path = tmp_path / "plan.yaml"
-    path.write_text(yaml.safe_dump(plan))
-    for bad, flag in ((["--profile-optimizer", "sgdm"], "--profile-optimizer"),
-                      (["--profile-optimizer", "adam", "--profile-lr", "0"], "--profile-lr")):
+                  "reference": True}]}]}))
+    for bad, flag in cases:
         code = linattn_main(["study", "--plan", str(path), "--out", str(tmp_path / "o"),
-                             "--profile", *bad])
-        assert code == 2 and flag in capsys.readouterr().err
+                             *(["--profile"] if profile else []), *bad])
+        assert code == 2 and flag in capsys.readouterr().err, bad
         assert not (tmp_path / "o").exists()
 
 
@@ -634,28 +640,13 @@ def test_bad_rule_inputs_exit_2_and_write_nothing(run_dir, tmp_path, capsys):
     data = json.loads(out.read_text())["kernels"]
     assert all(k["phi_rule"] == "last" and k["eval_every"] is None for k in data)
     # linattn study --profile: checked before anything is written
-    plan = {"name": "tiny_rule", "seeds": [0], "sweeps": [{
-        "name": "digits", "config": "digits_vit", "overrides": RUN, "alphas": [0.5],
-        "arms": [{"name": "frozen", "overrides": ["algorithm.name=fedfrozen",
-                                                   "algorithm.train=all_but_qk"],
-                  "warmup_rounds": [0, 3]},
-                 {"name": "reference", "overrides": ["partition.num_clients=1"],
-                  "reference": True}]}]}
-    path = tmp_path / "plan.yaml"
-    path.write_text(yaml.safe_dump(plan))
-    for bad, flag in ((["--profile-eval-every", "0"], "--profile-eval-every"),
-                      (["--profile-steps", "10", "--profile-eval-every", "11"],
-                       "--profile-eval-every"),
-                      (["--profile-phi-rule", "best"], "--profile-phi-rule")):
-        code = linattn_main(["study", "--plan", str(path), "--out", str(tmp_path / "o"),
-                             "--profile", *bad])
-        assert code == 2 and flag in capsys.readouterr().err
-        assert not (tmp_path / "o").exists()
-    for bad in (["--profile-phi-rule", "min"], ["--profile-eval-every", "5"]):
-        code = linattn_main(["study", "--plan", str(path), "--out", str(tmp_path / "o"),
-                             *bad])  # without --profile
-        assert code == 2 and bad[0] in capsys.readouterr().err
-        assert not (tmp_path / "o").exists()
+    _study_refuses(tmp_path, capsys, [(["--profile-eval-every", "0"], "--profile-eval-every"),
+                                      (["--profile-steps", "10", "--profile-eval-every", "11"],
+                                       "--profile-eval-every"),
+                                      (["--profile-phi-rule", "best"], "--profile-phi-rule")])
+    _study_refuses(tmp_path, capsys, [(["--profile-phi-rule", "min"], "--profile-phi-rule"),
+                                      (["--profile-eval-every", "5"], "--profile-eval-every")],
+                   profile=False)  # only with --profile
 
 
 def test_study_caches_each_rule_apart_and_labels_old_records(tmp_path):
