@@ -391,6 +391,10 @@ def _study(argv: list[str]) -> int:
                 if slices and not any(fnmatch.fnmatch(spec.key, p) for p in slices):
                     continue
                 print(f"{study._status(spec.run_dir):>9}  {spec.key}")
+            for spec, source in study.same_runs(plan):  # trained once, as another arm's run
+                if slices and not any(fnmatch.fnmatch(spec.key, p) for p in slices):
+                    continue
+                print(f"{'same':>9}  {spec.key} = {source.key}")
             continue
         if not args.aggregate_only:
             counts = study.run_study(plan, slices, args.max_runs, args.budget, shard=shard,

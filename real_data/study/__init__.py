@@ -47,7 +47,11 @@ A plan with a ``tune`` section and grids runs in two stages: every grid point on
 scored on a validation split, then the chosen configurations over every seed, compared by
 paired intervals and an equivalence test (:mod:`~real_data.study.tuning`). An arm with a
 single candidate (one grid point, at most one T0) has nothing to choose and takes no tuning
-run, except FedAvg where a reference sweep reads its validation score.
+run, except FedAvg where a reference sweep reads its validation score. A final arm whose
+chosen configuration trains exactly as an earlier arm's (FedFrozen choosing T0 = T, never
+freezing, at FedAvg's or FedProx's configuration: the same run to the bit) trains nothing: its
+runs are that arm's (``--list`` shows them as ``same``), and the tables read them under its
+own name, so the comparison says ``identical``.
 
 ``linattn study --plan P --profile`` evaluates the kernel profile Phi (:mod:`real_data.profile`)
 at every T0 snapshot of a T0 arm and of the reference arms and writes kernel bias and drift by
@@ -92,6 +96,8 @@ from real_data.study.plan import (
     run_config,
     run_key,
     run_overrides,
+    same_runs,
+    training_identity,
 )
 from real_data.study.profile_tables import (
     BEST_RULE,
@@ -190,6 +196,8 @@ __all__ = [
     "pack_results",
     "paired_differences",
     "plan_runs",
+    "same_runs",
+    "training_identity",
     "replace_out",
     "run_config",
     "run_key",

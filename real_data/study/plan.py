@@ -15,7 +15,7 @@ from pathlib import Path
 
 from linattn.configio import load_yaml
 from linattn.errors import ConfigError
-from real_data.config import Config, load_config
+from real_data.config import Config, config_to_dict, load_config
 from real_data.schema import check_name
 
 SCORES = ("global", "personal")
@@ -39,6 +39,10 @@ class Arm:
     warmup_rounds: tuple[int, ...] = ()
     reference: bool = False
     grid: tuple[tuple[str, tuple], ...] = ()  # tuned keys and their candidate values
+    # the arm of the same sweep whose runs this arm's runs are (:func:`same_runs`): set by the
+    # final stage where a chosen configuration trains exactly as another arm's; never read
+    # from a plan file
+    same_as: str | None = None
 
 
 @dataclass(frozen=True)
@@ -322,10 +326,13 @@ def run_key(sweep: str, arm: str, t0, alpha, seed) -> str:
 
 
 def plan_runs(plan: Plan) -> list[RunSpec]:
-    """Every run of the plan, in plan order (a T0 family's largest T0 first)."""
+    """Every run of the plan that trains, in plan order (a T0 family's largest T0 first); an
+    arm whose runs are another arm's (``same_as``) has none (:func:`same_runs`)."""
     specs = []
     for sw in plan.sweeps:
         for arm in sw.arms:
+            if arm.same_as is not None:
+                continue
             for alpha in sw.alphas:
                 for seed in sw.seeds:
                     for t0 in arm.warmup_rounds or (None,):
@@ -333,6 +340,72 @@ def plan_runs(plan: Plan) -> list[RunSpec]:
                         specs.append(RunSpec(key, sw, arm, alpha, seed, t0,
                                              inside(plan.out_dir, key)))
     return specs
+
+
+def same_runs(plan: Plan) -> list[tuple[RunSpec, RunSpec]]:
+    """``(run, source)`` for every run of an arm with ``same_as``: the run as the plan names it
+    (its directory is not written) and the run of the arm it trains as, same alpha and seed."""
+    out = []
+    for sw in plan.sweeps:
+        for arm in sw.arms:
+            if arm.same_as is None:
+                continue
+            src = next(a for a in sw.arms if a.name == arm.same_as)
+            src_t0 = src.warmup_rounds[0] if src.warmup_rounds else None
+            for alpha in sw.alphas:
+                for seed in sw.seeds:
+                    for t0 in arm.warmup_rounds or (None,):
+                        key = run_key(sw.name, arm.name, t0, alpha, seed)
+                        skey = run_key(sw.name, src.name, src_t0, alpha, seed)
+                        out.append((RunSpec(key, sw, arm, alpha, seed, t0,
+                                            inside(plan.out_dir, key)),
+                                    RunSpec(skey, sw, src, alpha, seed, src_t0,
+                                            inside(plan.out_dir, skey))))
+    return out
+
+
+# FedFrozen whose fixed T0 is the horizon never freezes: every round is its base algorithm's,
+# and its metrics equal that algorithm's run to the bit for these bases (SCAFFOLD's control
+# variates enter FedFrozen's update in another order: equal up to round-off, not counted)
+SAME_RUN_BASES = ("fedavg", "fedprox")
+
+
+def training_identity(cfg: Config) -> dict:
+    """``cfg`` as a plain mapping, with a FedFrozen run that never freezes (fixed T0 at least
+    the horizon, base in :data:`SAME_RUN_BASES`) written as its base algorithm: two runs
+    whose identities are equal train the same way, round for round."""
+    d = config_to_dict(cfg)
+    a = d["algorithm"]
+    if (a["name"] == "fedfrozen" and a.get("warmup") == "fixed"
+            and a.get("warmup_rounds") is not None
+            and a["warmup_rounds"] >= d["train"]["rounds"] and a.get("base") in SAME_RUN_BASES):
+        d["algorithm"] = {"name": a["base"], **({"mu": a["mu"]} if a["base"] == "fedprox"
+                                                 else {})}
+    return d
+
+
+def with_same_runs(sweep: Sweep, out_dir: Path) -> Sweep:
+    """``sweep`` with ``same_as`` set on every arm whose runs train exactly as an earlier
+    arm's (:func:`training_identity` of its first alpha and seed; reference arms aside), so
+    the run trains once and both arms read it."""
+    alpha, seed = sweep.alphas[0], sweep.seeds[0]
+    seen: list[tuple[dict, str]] = []
+    arms = []
+    for arm in sweep.arms:
+        if arm.reference or len(arm.warmup_rounds) > 1:
+            arms.append(arm)
+            continue
+        t0 = arm.warmup_rounds[0] if arm.warmup_rounds else None
+        key = run_key(sweep.name, arm.name, t0, alpha, seed)
+        ident = training_identity(run_config(
+            RunSpec(key, sweep, arm, alpha, seed, t0, inside(out_dir, key)), t0))
+        source = next((name for other, name in seen if other == ident), None)
+        if source is None:
+            seen.append((ident, arm.name))
+            arms.append(arm)
+        else:
+            arms.append(dataclasses.replace(arm, same_as=source))
+    return dataclasses.replace(sweep, arms=tuple(arms))
 
 
 def inside(root: Path, relative: str) -> Path:

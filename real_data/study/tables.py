@@ -24,6 +24,7 @@ from real_data.study.plan import (
     override_value,
     plan_runs,
     run_key,
+    same_runs,
 )
 from real_data.study.runner import FINAL, MARKER_FILES, families, run_status
 
@@ -124,10 +125,17 @@ def run_rows(plan: Plan) -> list[dict]:
     its sweep, arm, T0, alpha and seed, every run metric, and the
     kernel deviation of its warm-up snapshot from the reference of the same seed (None where
     there is no T0 or no reference snapshot). Runs of one seed share the initialization and the
-    partition, so per-seed differences (:func:`paired_differences`) are paired."""
+    partition, so per-seed differences (:func:`paired_differences`) are paired.
+
+    A run of an arm with ``same_as`` (:func:`same_runs`) is the row of the run it trains as,
+    under its own arm and T0, unless its own directory holds a finished run (trained before
+    the two were known to be one)."""
     out = []
-    for spec in plan_runs(plan):
-        row = run_row(spec.run_dir)
+    reads = [(spec, spec.run_dir) for spec in plan_runs(plan)]
+    reads += [(spec, spec.run_dir if run_status(spec.run_dir) in FINAL else source.run_dir)
+              for spec, source in same_runs(plan)]
+    for spec, run_dir in reads:
+        row = run_row(run_dir)
         if row is None:
             continue
         if spec.sweep.score == "personal":  # the sweep compares every client's own model

@@ -57,6 +57,7 @@ from real_data.study.plan import (
     inside,
     override_value,
     run_key,
+    with_same_runs,
 )
 from real_data.study.runner import run_status
 
@@ -259,7 +260,11 @@ def final_plan(plan: Plan, choices: dict | None = None, partial: bool = False) -
     default, chosen from the tuning runs (nothing written: :func:`write_choices` stores a
     table). With ``partial``, an arm without a choice (its
     tuning unfinished, or absent from ``choices``) is left out, and so is a sweep and alpha
-    left with no arm to compare."""
+    left with no arm to compare.
+
+    An arm whose chosen configuration trains exactly as an earlier arm's (FedFrozen choosing
+    never to freeze at FedAvg's lr and schedule) trains no runs of its own: it reads that
+    arm's (``Arm.same_as``, :func:`real_data.study.plan.with_same_runs`)."""
     choices = choose(plan, False, partial) if choices is None else choices
     chosen = {(c["sweep"], c["arm"], c["alpha"]): c["chosen"] for c in choices["choices"]}
     sweeps = []
@@ -282,8 +287,8 @@ def final_plan(plan: Plan, choices: dict | None = None, partial: bool = False) -
                 arms.append(Arm(arm.name, (*arm.overrides, *c["overrides"], *_held_out(plan)),
                                 () if t0 is None else (int(t0),)))
             if any(not a.reference for a in arms):
-                sweeps.append(dataclasses.replace(sw, alphas=(alpha,), arms=tuple(arms),
-                                                  grid=()))
+                sweeps.append(with_same_runs(dataclasses.replace(
+                    sw, alphas=(alpha,), arms=tuple(arms), grid=()), plan.out_dir))
     return dataclasses.replace(plan, sweeps=tuple(sweeps), tune=None)
 
 
