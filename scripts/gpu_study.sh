@@ -14,6 +14,9 @@
 # resume here (`linattn study --restore-partial`; a group this machine trained is kept).
 # At the end, besides the finished runs, OUTDIR/partial_runs.tar.gz.partNN archives the groups
 # still unfinished (whole, checkpoints included), if any: carry them to the next machine.
+# Archives an earlier call left in OUTDIR are removed once PARTIAL_ARCHIVE is restored.
+# Packing takes time after SECONDS (tens of seconds for large partial groups): a caller's own
+# time limit needs that margin.
 # Each worker (--shard k/n) takes the machine's cores divided by the n workers as its CPU
 # threads (`linattn study --threads`); OMP_NUM_THREADS, when set, decides instead.
 # Usage: bash scripts/gpu_study.sh PLAN SECONDS WORKERS_PER_GPU OUTDIR [study options]
@@ -40,6 +43,9 @@ if [ -n "${PARTIAL_ARCHIVE:-}" ]; then
   python -m linattn study --plan "$plan" --restore-partial "$out/restore.tar.gz" "$@" || exit 1
   rm -f "$out/restore.tar.gz"
 fi
+# what an earlier call packed into this OUTDIR describes that call, not this one
+rm -f "$out"/study_runs.tar.gz* "$out"/partial_runs.tar.gz* "$out/done_markers.tar.gz" \
+  "$out/logs.tar.gz"
 # the pretraining jobs the selection needs, spread over the GPUs (the k-th of every ngpu jobs)
 # (killed well before the call's limit, so the markers of what exists still get written)
 pids=()
