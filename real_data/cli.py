@@ -240,7 +240,9 @@ def _study(argv: list[str]) -> int:
                     "the next call resumes them")
     ap.add_argument("--no-tables", action="store_true",
                     help="skip writing the tables (e.g. on a GPU host, before --pack)")
-    ap.add_argument("--list", action="store_true", help="list the plan's runs and their status")
+    ap.add_argument("--list", action="store_true",
+                    help="list the plan's runs and their status; a final run that trains "
+                    "exactly as another arm's run is listed as `same KEY = SOURCE`")
     ap.add_argument("--estimate", action="store_true",
                     help="print what the selection still costs per sweep: runs, run-rounds and "
                     "GPU seconds at the pace measured in the plan's finished GPU runs (unpack "

@@ -56,7 +56,9 @@ def _alpha_part(alpha) -> str:
 
 
 def _t0_arms(sweep: Sweep) -> list[Arm]:
-    return [a for a in sweep.arms if a.warmup_rounds and not a.reference]
+    """The arms with T0 snapshots of their own: not a reference, and not a final arm that reads
+    another arm's runs (``same_as``: FedFrozen at T0 = T, whose runs keep no snapshot)."""
+    return [a for a in sweep.arms if a.warmup_rounds and not a.reference and a.same_as is None]
 
 
 def _refs(sweep: Sweep) -> list[Arm]:
