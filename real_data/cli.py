@@ -348,7 +348,8 @@ def _study(argv: list[str]) -> int:
                     raise
                 print(f"study: the final stage waits for the tuning runs ({exc})")
                 break
-            keys = [s.key for s in study.plan_runs(plan)] if partial else []
+            keys = [s.key for s in study.plan_runs(plan)] + [
+                s.key for s, _ in study.same_runs(plan)] if partial else []
             selecting = [p for p in args.slice or [] if any(fnmatch.fnmatch(k, p) for k in keys)]
             skipped = [p for p in args.slice or [] if p not in selecting] if partial else []
             if partial and not selecting:

@@ -62,7 +62,9 @@ def _decision(summary: dict) -> dict:
 def _pairs(args):
     full = study.load_plan(args.plan)
     plan = study.final_plan(full, study.load_choices(args.choices, full), partial=True)
-    specs = [s for s in study.plan_runs(plan)
+    # an arm that reads another arm's runs (same_as) is selected too, read from that run
+    source = {s.key: src for s, src in study.same_runs(plan)}
+    specs = [s for s in [*study.plan_runs(plan), *(s for s, _ in study.same_runs(plan))]
              if any(fnmatch.fnmatch(s.key, p) for p in args.slice)]
     chosen = [s for s in specs if s.arm.name == args.arm]
     if not chosen:
@@ -71,25 +73,27 @@ def _pairs(args):
     for s in chosen:
         key = study.run_key(s.sweep.name, f"{args.arm}_auto", None, s.alpha, s.seed)
         out.append((s, inside(plan.out_dir, key)))
-    return plan, specs, out
+    return plan, specs, out, source
 
 
 def run(args) -> None:
-    _, _, pairs = _pairs(args)
+    _, _, pairs, _ = _pairs(args)
     for spec, dest in pairs:
         if study.run_status(dest) == "completed":
             continue
-        cfg = load_config(spec.run_dir / "config.yaml", AUTO)
+        # the arm's own configuration (an arm that reads another's runs has no config.yaml)
+        cfg = load_config(spec.sweep.config, [*study.run_overrides(spec, spec.warmup_rounds),
+                                              *AUTO])
         dest.parent.mkdir(parents=True, exist_ok=True)
         print("start", dest, flush=True)
         start_run(cfg, out=dest)
 
 
 def compare(args) -> None:
-    plan, specs, pairs = _pairs(args)
+    plan, specs, pairs, source = _pairs(args)
     rows = []
     for spec in specs:
-        row = run_row(spec.run_dir)
+        row = run_row(source[spec.key].run_dir if spec.key in source else spec.run_dir)
         if row is not None:
             rows.append({"sweep": spec.sweep.name, "arm": spec.arm.name,
                          "warmup_rounds": spec.warmup_rounds, "alpha": spec.alpha,

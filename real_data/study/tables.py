@@ -23,10 +23,11 @@ from real_data.study.plan import (
     Sweep,
     override_value,
     plan_runs,
+    run_config,
     run_key,
     same_runs,
 )
-from real_data.study.runner import FINAL, MARKER_FILES, families, run_status
+from real_data.study.runner import FINAL, MARKER_FILES, config_mismatch, families, run_status
 
 LAST_ROUNDS = 10  # window for the accuracy variance: the last 10 evaluations (eval.every apart)
 SCORE_LAST = 5  # a run's score: the mean test accuracy of its last 5 evaluations
@@ -120,6 +121,12 @@ def run_row(run_dir: Path) -> dict | None:
     return row
 
 
+def _own_run(spec) -> bool:
+    """``spec``'s directory holds a finished run of the configuration the plan asks for."""
+    return run_status(spec.run_dir) in FINAL and \
+        config_mismatch(spec, run_config(spec, spec.warmup_rounds)) is None
+
+
 def run_rows(plan: Plan) -> list[dict]:
     """One row per completed or diverged run (``status``; a diverged run's accuracies are NaN):
     its sweep, arm, T0, alpha and seed, every run metric, and the
@@ -128,11 +135,13 @@ def run_rows(plan: Plan) -> list[dict]:
     partition, so per-seed differences (:func:`paired_differences`) are paired.
 
     A run of an arm with ``same_as`` (:func:`same_runs`) is the row of the run it trains as,
-    under its own arm and T0, unless its own directory holds a finished run (trained before
-    the two were known to be one)."""
+    under its own arm and T0, unless its own directory holds a finished run of the plan's
+    configuration (trained before the two were known to be one; a run of another
+    configuration there, left by an earlier choice, is not read). Such a row has no kernel
+    deviation: the run it reads keeps no snapshot at its T0."""
     out = []
     reads = [(spec, spec.run_dir) for spec in plan_runs(plan)]
-    reads += [(spec, spec.run_dir if run_status(spec.run_dir) in FINAL else source.run_dir)
+    reads += [(spec, spec.run_dir if _own_run(spec) else source.run_dir)
               for spec, source in same_runs(plan)]
     for spec, run_dir in reads:
         row = run_row(run_dir)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import csv
 import json
+import shutil
 
 import pytest
 import yaml
@@ -14,6 +15,7 @@ from conftest import run_cli
 
 from real_data import study
 from real_data.config import load_config
+from real_data.runs import start_run
 from real_data.study.plan import SAME_RUN_BASES
 
 ROUNDS = 3
@@ -153,6 +155,29 @@ def test_a_final_arm_that_never_freezes_at_fedavgs_configuration_reads_fedavgs_r
     score = {(r["arm"], r["seed"]): r["score"] for r in per_run}
     assert len(per_run) == 9
     assert all(score[("frozen", s)] == score[("fedavg", s)] for s in "012")
+    # a final-stage --slice may name the same runs alone
+    listed = run_cli("study", "--plan", str(path), "--out", str(out), "--stage", "final",
+                     "--choices", str(chosen), "--list", "--slice", "digits/frozen*")
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    assert sum(ln.split()[0] == "same" for ln in listed.stdout.splitlines()) == 3
+    # a finished run in the arm's own folder is read only if it is the plan's configuration:
+    # one left by an earlier choice (FedAvg's other lr) is not
+    other = copy.deepcopy(choices)
+    _choose(other, "frozen", False, ROUNDS)
+    mine = out / study.run_key("digits", "frozen", ROUNDS, 0.5, 0)
+    old = study.final_plan(plan, other)
+    spec = next(s for s in study.plan_runs(old) if s.key.startswith("digits/frozen"))
+    start_run(study.run_config(spec, ROUNDS), out=mine)
+    rows = {(r["arm"], r["seed"]): r["score"] for r in study.run_rows(final)}
+    assert rows[("frozen", 0)] == rows[("fedavg", 0)]
+    # the same configuration there (trained before the rule) is read as it is
+    shutil.rmtree(mine)
+    same_spec = next(s for s, _ in study.same_runs(final) if s.seed == 0)
+    start_run(study.run_config(same_spec, ROUNDS), out=mine)
+    assert study.run_status(mine) == "completed"
+    own = study.tables.run_row(mine)["score"]
+    assert {(r["arm"], r["seed"]): r["score"] for r in study.run_rows(final)}[("frozen", 0)] \
+        == own
     # the choice moves to FedAvg's other lr: the arm trains its own runs, and the control,
     # never freezing at that lr too, reads them
     moved = copy.deepcopy(choices)
