@@ -82,6 +82,20 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 120):
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
+def tuned_study(tmp_path, plan: dict):
+    """``plan`` written to tmp_path/plan.yaml and its tuning stage run by the CLI into
+    tmp_path/out (asserted to succeed); returns (plan file, out_dir, the loaded plan)."""
+    import yaml
+
+    from real_data import study
+
+    path, out = tmp_path / "plan.yaml", tmp_path / "out"
+    path.write_text(yaml.safe_dump(plan))
+    res = run_cli("study", "--plan", str(path), "--out", str(out), "--stage", "tune")
+    assert res.returncode == 0, res.stderr[-2000:]
+    return path, out, study.load_plan(path, out)
+
+
 @pytest.fixture(scope="session")
 def digits() -> TensorDataset:
     return digits_dataset()

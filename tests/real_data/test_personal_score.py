@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import federation, random_partition, run_cli, tiny_config, train_rounds
+from conftest import (
+    federation,
+    random_partition,
+    run_cli,
+    tiny_config,
+    train_rounds,
+    tuned_study,
+)
 
 from linattn.errors import ConfigError
 from real_data import study
@@ -107,12 +114,7 @@ def _metric(run_dir, name):
 
 
 def test_a_personal_sweep_is_tuned_and_compared_on_each_clients_own_model(tmp_path):
-    path = tmp_path / "plan.yaml"
-    path.write_text(yaml.safe_dump(PLAN))
-    out = tmp_path / "out"
-    res = run_cli("study", "--plan", str(path), "--out", str(out), "--stage", "tune")
-    assert res.returncode == 0, res.stderr[-2000:]
-    plan = study.load_plan(path, out)
+    path, out, plan = tuned_study(tmp_path, PLAN)
     choices = {c["arm"]: c for c in study.choose(plan, write=False)["choices"]}
     tune = study.tuning_plan(plan)
     # every arm read at the last round (FedTP evaluates every round, the fine-tuning once)

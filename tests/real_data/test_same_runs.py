@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import yaml
-from conftest import run_cli
+from conftest import run_cli, tuned_study
 
 from real_data import study
 from real_data.config import load_config
@@ -112,12 +112,7 @@ def _choose(choices: dict, arm: str, lr_like_fedavg: bool, t0: int) -> None:
 
 
 def test_a_final_arm_that_never_freezes_at_fedavgs_configuration_reads_fedavgs_runs(tmp_path):
-    path = tmp_path / "plan.yaml"
-    path.write_text(yaml.safe_dump(TUNED))
-    out = tmp_path / "out"
-    res = run_cli("study", "--plan", str(path), "--out", str(out), "--stage", "tune")
-    assert res.returncode == 0, res.stderr[-2000:]
-    plan = study.load_plan(path, out)
+    path, out, plan = tuned_study(tmp_path, TUNED)
     choices = study.choose(plan, write=False)
     _choose(choices, "frozen", True, ROUNDS)  # never freezes, FedAvg's lr: the same runs
     _choose(choices, "control", False, ROUNDS)  # never freezes at another lr: its own runs
