@@ -10,6 +10,7 @@ import argparse
 import fnmatch
 import json
 import sys
+import time
 from pathlib import Path
 
 
@@ -178,6 +179,27 @@ def study_threads(threads: int | None, shard: tuple[int, int] | None,
     return max(1, cores // shard[1])
 
 
+TUNING_POLL_S = 10.0  # how often a worker waiting for other workers' tuning runs looks again
+
+
+def _pause(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def _left(deadline: float, since: float) -> float:
+    """Seconds of ``deadline`` (counted from ``since``, a ``time.monotonic()``) still left."""
+    return deadline - (time.monotonic() - since)
+
+
+def _tuning_in_progress(full) -> bool:
+    """Whether a live process (another worker) holds an unfinished tuning run of ``full``."""
+    from real_data import study
+    from real_data.lock import holder
+
+    return any(study.run_status(s.run_dir) not in study.FINAL and holder(s.run_dir)
+               for s in study.plan_runs(study.tuning_plan(full)))
+
+
 def _study(argv: list[str]) -> int:
     import argparse
     from pathlib import Path
@@ -201,7 +223,9 @@ def _study(argv: list[str]) -> int:
     ap.add_argument("--budget", type=float, help="start no new run after this many seconds")
     ap.add_argument("--deadline", type=float, metavar="SECONDS",
                     help="start a run group only if, at the pace of the groups run so far, it "
-                    "ends within SECONDS (for time-limited GPU calls)")
+                    "ends within SECONDS of the call's start, both stages together (for "
+                    "time-limited GPU calls); a worker whose tuning runs are done waits for "
+                    "those other workers still train, then takes its share of the final runs")
     ap.add_argument("--shard", help="k/n: run the k-th (0-based) of n cost-balanced parts of "
                     "the selection (n workers side by side)")
     ap.add_argument("--threads", type=int, metavar="N",
@@ -224,8 +248,9 @@ def _study(argv: list[str]) -> int:
     ap.add_argument("--aggregate-only", action="store_true", help="only write the tables")
     ap.add_argument("--export", type=Path, help="also copy the tables here (e.g. docs/study)")
     ap.add_argument("--pack", type=Path, metavar="FILE.tar.gz",
-                    help="then archive the finished runs' global metrics and Q/K snapshots "
-                    "(small; unpack into out_dir and --aggregate-only elsewhere)")
+                    help="then archive the finished runs' global metrics and Q/K snapshots, "
+                    "the tuning runs too where the stages ran together (small; unpack into "
+                    "out_dir and --aggregate-only elsewhere)")
     ap.add_argument("--markers", type=Path, metavar="FILE.tar.gz",
                     help="write the summary.json and config.yaml of every finished run "
                     "group; unpacked into out_dir on a fresh machine, the study skips them (a "
@@ -324,6 +349,10 @@ def _study(argv: list[str]) -> int:
                                 "`linattn study --plan ... --list` shows the run keys")
     failed = 0
     stage_plans = []  # the plan of every stage reached (what --pack-partial and a restore cover)
+    # --deadline counts from here over both stages; only a call that trains waits for tuning
+    t_call = time.monotonic()
+    trains = not (args.aggregate_only or args.list or args.estimate or args.pretrain_only
+                  or args.restore_partial is not None)
     for stage in stages:
         if stage == "tune":
             plan, slices = study.tuning_plan(full), args.slice
@@ -340,13 +369,26 @@ def _study(argv: list[str]) -> int:
             slices = args.slice
             # with --slice, only the selected arms need their tuning finished (or chosen)
             partial = bool(args.slice)
-            try:  # the table is written once the selection is known to be valid
-                table = choices if choices is not None else study.choose(full, False, partial)
-                plan = study.final_plan(full, table, partial=partial)
-            except UserError as exc:  # tuning unfinished: nothing to choose from yet
-                if args.stage == "final":
-                    raise
-                print(f"study: the final stage waits for the tuning runs ({exc})")
+            while True:
+                try:  # the table is written once the selection is known to be valid
+                    table = (choices if choices is not None
+                             else study.choose(full, False, partial))
+                    plan = study.final_plan(full, table, partial=partial)
+                    break
+                except UserError as exc:  # tuning unfinished: nothing to choose from yet
+                    if args.stage == "final":
+                        raise
+                    # a timed worker whose tuning shard ended waits for the others' (they
+                    # hold their runs' locks) instead of leaving its GPU idle
+                    if (trains and args.deadline is not None
+                            and _left(args.deadline, t_call) > TUNING_POLL_S
+                            and _tuning_in_progress(full)):
+                        _pause(TUNING_POLL_S)
+                        continue
+                    print(f"study: the final stage waits for the tuning runs ({exc})")
+                    plan = None
+                    break
+            if plan is None:
                 break
             keys = [s.key for s in study.plan_runs(plan)] + [
                 s.key for s, _ in study.same_runs(plan)] if partial else []
@@ -399,10 +441,14 @@ def _study(argv: list[str]) -> int:
                     continue
                 print(f"{'same':>9}  {spec.key} = {source.key}")
             continue
-        if not args.aggregate_only:
+        if (not args.aggregate_only and args.deadline is not None and not args.pretrain_only
+                and _left(args.deadline, t_call) <= 0):
+            print(f"study ({stage}): no time left before --deadline {args.deadline:g}")
+        elif not args.aggregate_only:
             counts = study.run_study(plan, slices, args.max_runs, args.budget, shard=shard,
                                      pretrain_only=args.pretrain_only,
-                                     deadline_s=args.deadline,
+                                     deadline_s=(None if args.deadline is None else
+                                                 _left(args.deadline, t_call)),
                                      pending=(args.pending_before
                                               if args.pending_before is not None
                                               else args.pending),
@@ -449,9 +495,10 @@ def _study(argv: list[str]) -> int:
     if args.list or args.pretrain_only or args.estimate:
         return 0
     if args.markers is not None:
-        print(f"marked {study.write_markers(plan, args.markers)} finished runs in {args.markers}")
-    if args.pack is not None:
-        packed = study.pack_results(plan, args.pack)
+        print(f"marked {study.write_markers(stage_plans, args.markers)} finished runs in "
+              f"{args.markers}")
+    if args.pack is not None:  # every stage reached: the tuning runs choose the final ones
+        packed = study.pack_results(stage_plans, args.pack)
         print(f"packed {packed['runs']} runs, {packed['snapshots']} snapshots into {args.pack}")
     if args.pack_partial is not None:
         part = study.pack_partial(stage_plans, args.pack_partial)

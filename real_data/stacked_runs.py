@@ -144,9 +144,10 @@ def run_group(requests: list[RunRequest], dataset=None, device: torch.device | N
     ``log``: a line once the group is prepared, before its first round (its runs, engine and
     preparation seconds), and one per branch forked or skipped.
     ``on_round_end(round, run_dir)``: as in :func:`~real_data.runs.start_run`, for every run.
-    ``on_error(label, exception)``: a run whose preparation, server update or files fail is
-    reported here and leaves the group while the others go on (without it, the error
-    propagates); a user error (a bad config or file) always propagates.
+    ``on_error(label, exception)``: a run whose preparation, server update, round records
+    (evaluation, a freeze rule's observation) or files fail is reported here and leaves the
+    group while the others go on (without it, the error propagates); a user error (a bad
+    config or file) always propagates, and a diverged run closes as diverged.
     Returns ``(label, result)`` of every run and branch trained here, in the order they
     finished (a request or branch finished before the call returns nothing).
     """
@@ -167,8 +168,8 @@ def _run_group(requests, dataset, device, log, on_round_end, on_error, compile
             return fn(*args)
         try:
             return fn(*args)
-        except UserError:
-            raise
+        except (UserError, Diverged):
+            raise  # a bad config or file stops the group; a diverged run closes as such
         except Exception as exc:  # noqa: BLE001 - one broken run leaves, the others go on
             on_error(label, exc)
             return FAILED
@@ -234,10 +235,14 @@ def _run_group(requests, dataset, device, log, on_round_end, on_error, compile
         for (m, rnd, work), res in zip(works, trained):
             t_run = time.perf_counter()
             try:
-                state, pending = m.fed.update_round(m.prep.state, rnd, work, res)
+                got = guarded(m.label, m.fed.update_round, m.prep.state, rnd, work, res)
             except Diverged as exc:
                 results.append(_close(m, "diverged", m.log.diverged_message(exc)))
                 continue
+            if got is FAILED:
+                m.running = False
+                continue
+            state, pending = got
             updated.append((m, rnd, work, state, pending, time.perf_counter() - t_run))
         t_eval = time.perf_counter()
         evaluated = evaluate_group([(m.fed, state) for m, rnd, _, state, _, _ in updated
@@ -246,8 +251,11 @@ def _run_group(requests, dataset, device, log, on_round_end, on_error, compile
         for m, rnd, work, state, pending, t_own in updated:
             t_run = time.perf_counter()
             hits = evaluated.get(id(m.fed))
-            records = m.fed.round_records(state, pending,
-                                          None if hits is None else (lambda s, h=hits: h))
+            records = guarded(m.label, m.fed.round_records, state, pending,
+                              None if hits is None else (lambda s, h=hits: h))
+            if records is FAILED:  # its evaluation or round observation broke: it leaves
+                m.running = False
+                continue
             own = (seconds * len(work.ids) / total_clients + t_own
                    + (share if hits is not None else 0.0) + time.perf_counter() - t_run)
             m.prep = dataclasses.replace(m.prep, state=state)

@@ -12,8 +12,10 @@
 # PARTIAL_ARCHIVE (optional): the parts (a glob, e.g. DIR/partial_runs.tar.gz.part*) of a
 # --pack-partial archive an earlier call wrote: the run groups it killed, restored whole so they
 # resume here (`linattn study --restore-partial`; a group this machine trained is kept).
-# At the end, besides the finished runs, OUTDIR/partial_runs.tar.gz.partNN archives the groups
-# still unfinished (whole, checkpoints included), if any: carry them to the next machine.
+# At the end, besides the finished runs (the tuning runs too where both stages ran),
+# OUTDIR/partial_runs.tar.gz.partNN archives the groups still unfinished (whole, checkpoints
+# included), if any, and OUTDIR/choices.json is the tuning's choice, if made: carry them to the
+# next machine (the choice as --choices, so a restore there knows the final runs).
 # Archives an earlier call left in OUTDIR are removed once PARTIAL_ARCHIVE is restored.
 # Packing takes time after SECONDS (tens of seconds for large partial groups): a caller's own
 # time limit needs that margin.
@@ -91,5 +93,9 @@ if [ -n "$(tar -tzf "$out/partial_runs.tar.gz" 2>/dev/null | head -n 1)" ]; then
   split -b 12M -d "$out/partial_runs.tar.gz" "$out/partial_runs.tar.gz.part"
 fi
 rm -f "$out/partial_runs.tar.gz"
+# the configurations a tuning stage chose: a later machine's final stage takes them with
+# --choices (and can then restore the final runs of a partial archive before any tuning)
+dest=$(python -c "from real_data import study; print(study.load_plan('$plan').out_dir)")
+if [ -f "$dest/choices.json" ]; then cp "$dest/choices.json" "$out/choices.json"; fi
 tar -czf "$out/logs.tar.gz" -C "$out" logs && rm -rf "$out/logs"
 ls -la "$out"

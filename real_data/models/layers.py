@@ -97,16 +97,17 @@ def attention_scores(model: nn.Module, params: dict[str, torch.Tensor],
         h = module.heads
         q = module.q(inp).view(b, n, h, d // h).transpose(1, 2).float()
         k = module.k(inp).view(b, n, h, d // h).transpose(1, 2).float()
-        if module.kind == "softmax":
-            a = q @ k.transpose(-2, -1) / math.sqrt(d // h)
-            if module.causal:
-                mask = torch.ones(n, n, dtype=torch.bool, device=inp.device).triu(1)
-                a = a.masked_fill(mask, float("-inf"))
-        else:
-            a = linear_feature_map(q) @ linear_feature_map(k).transpose(-2, -1)
-            if module.causal:
-                a = a * torch.ones(n, n, dtype=a.dtype, device=inp.device).tril()
-        rows.append(a.reshape(-1, n))
+        with torch.autocast(inp.device.type, enabled=False):  # float32 scores under bf16
+            if module.kind == "softmax":
+                a = q @ k.transpose(-2, -1) / math.sqrt(d // h)
+                if module.causal:
+                    mask = torch.ones(n, n, dtype=torch.bool, device=inp.device).triu(1)
+                    a = a.masked_fill(mask, float("-inf"))
+            else:
+                a = linear_feature_map(q) @ linear_feature_map(k).transpose(-2, -1)
+                if module.causal:
+                    a = a * torch.ones(n, n, dtype=a.dtype, device=inp.device).tril()
+            rows.append(a.reshape(-1, n))
 
     handles = [m.register_forward_pre_hook(capture) for m in modules]
     try:

@@ -97,6 +97,7 @@ from real_data.study.plan import (
     run_key,
     run_overrides,
     same_runs,
+    stage_runs,
     training_identity,
 )
 from real_data.study.profile_tables import (
@@ -196,6 +197,7 @@ __all__ = [
     "pack_results",
     "paired_differences",
     "plan_runs",
+    "stage_runs",
     "same_runs",
     "training_identity",
     "replace_out",

@@ -27,7 +27,7 @@ from pathlib import Path, PurePosixPath
 from linattn.errors import DataError
 from linattn.fileio import atomic_path
 from real_data.lock import LOCK_FILE
-from real_data.study.plan import Plan, plan_runs
+from real_data.study.plan import Plan, stage_runs
 from real_data.study.runner import FINAL, families, run_status
 
 __all__ = ["pack_partial", "restore_partial"]
@@ -38,29 +38,12 @@ def _started_unfinished(members) -> bool:
     return any(s != "missing" for s in status) and not all(s in FINAL for s in status)
 
 
-def _runs(plans: Plan | list[Plan]) -> tuple[Path, list]:
-    """The out_dir and runs of one plan, or of a tuned plan's stages (one out_dir)."""
-    plans = [plans] if isinstance(plans, Plan) else list(plans)
-    out_dirs = {p.out_dir for p in plans}
-    if len(out_dirs) > 1:
-        raise ValueError(f"plans of one out_dir expected, got {sorted(map(str, out_dirs))}")
-    if not plans:  # no stage selected: nothing to pack or restore
-        return Path("."), []
-    seen, specs = set(), []
-    for p in plans:
-        for s in plan_runs(p):
-            if s.run_dir not in seen:
-                seen.add(s.run_dir)
-                specs.append(s)
-    return out_dirs.pop(), specs
-
-
 def pack_partial(plans: Plan | list[Plan], dest: Path) -> dict:
     """Write ``dest`` (.tar.gz) with the whole run directories of every started, unfinished
     family of ``plans`` (a plan, or the tuning and final plans of one study); returns
     ``{"families", "runs", "bytes"}`` (bytes before compression)."""
     dest = Path(dest)
-    out_dir, specs = _runs(plans)
+    out_dir, specs = stage_runs(plans)
     counts = {"families": 0, "runs": 0, "bytes": 0}
     with atomic_path(dest) as tmp, tarfile.open(tmp, "w:gz", compresslevel=6) as tar:
         for members in families(specs):
@@ -111,7 +94,7 @@ def restore_partial(plans: Plan | list[Plan], archive: Path) -> dict:
     directory is written beside its place and then swapped in, so a kill leaves the old
     directory or the new one (or none, which a later restore fills)."""
     archive = Path(archive)
-    out_dir, specs = _runs(plans)
+    out_dir, specs = stage_runs(plans)
     runs = {s.run_dir.relative_to(out_dir).as_posix(): s for s in specs}
     try:
         tar = tarfile.open(archive, "r:*")

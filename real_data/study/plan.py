@@ -325,6 +325,24 @@ def run_key(sweep: str, arm: str, t0, alpha, seed) -> str:
     return f"{sweep}/{arm_part}/{alpha_part}/seed={seed}"
 
 
+def stage_runs(plans: Plan | list[Plan]) -> tuple[Path, list[RunSpec]]:
+    """The out_dir and runs of one plan, or of a tuned plan's stages (one out_dir; a run in
+    two stages counted once, in stage order)."""
+    plans = [plans] if isinstance(plans, Plan) else list(plans)
+    out_dirs = {p.out_dir for p in plans}
+    if len(out_dirs) > 1:
+        raise ValueError(f"plans of one out_dir expected, got {sorted(map(str, out_dirs))}")
+    if not plans:  # no stage selected: nothing to pack or restore
+        return Path("."), []
+    seen, specs = set(), []
+    for p in plans:
+        for s in plan_runs(p):
+            if s.run_dir not in seen:
+                seen.add(s.run_dir)
+                specs.append(s)
+    return out_dirs.pop(), specs
+
+
 def plan_runs(plan: Plan) -> list[RunSpec]:
     """Every run of the plan that trains, in plan order (a T0 family's largest T0 first); an
     arm whose runs are another arm's (``same_as``) has none (:func:`same_runs`)."""

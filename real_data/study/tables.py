@@ -26,6 +26,7 @@ from real_data.study.plan import (
     run_config,
     run_key,
     same_runs,
+    stage_runs,
 )
 from real_data.study.runner import FINAL, MARKER_FILES, config_mismatch, families, run_status
 
@@ -489,12 +490,14 @@ def _write_run_tables(runs: list[dict], out_dir: Path) -> list[Path]:
     return paths
 
 
-def pack_results(plan: Plan, dest: Path) -> dict:
-    """Write ``dest`` (.tar.gz): every completed run's summary, config and the global rows of
-    its metrics, and its warm-up snapshots reduced to the Q/K weights the kernel deviation
-    reads. Unpacking it into an empty ``out_dir`` and running ``--aggregate-only`` gives the
-    tables and figure 7 (they read only global rows); model checkpoints, client states and
-    per-client rows stay behind (large; re-running a run rebuilds them).
+def pack_results(plans: Plan | list[Plan], dest: Path) -> dict:
+    """Write ``dest`` (.tar.gz): every completed run of ``plans`` (a plan, or a tuned plan's
+    stages: the tuning runs too, which choose the final configurations) with its summary,
+    config and the global rows of its metrics, and its warm-up snapshots reduced to the Q/K
+    weights the kernel deviation reads. Unpacking it into an empty ``out_dir`` and running
+    ``--aggregate-only`` gives the tables and figure 7 (they read only global rows); model
+    checkpoints, client states and per-client rows stay behind (large; re-running a run
+    rebuilds them).
     """
     import torch  # as in kernel_deviation
 
@@ -506,8 +509,9 @@ def pack_results(plan: Plan, dest: Path) -> dict:
         info.size = len(data)
         tar.addfile(info, io.BytesIO(data))
 
+    _, specs = stage_runs(plans)
     with atomic_path(dest) as tmp, tarfile.open(tmp, "w:gz", compresslevel=6) as tar:
-        for spec in plan_runs(plan):
+        for spec in specs:
             finished = run_status(spec.run_dir) in FINAL
             if not finished or not (spec.run_dir / "metrics.csv").is_file():
                 continue  # unfinished, or only a marker of a run finished elsewhere
@@ -530,9 +534,10 @@ def pack_results(plan: Plan, dest: Path) -> dict:
     return counts
 
 
-def write_markers(plan: Plan, dest: Path) -> int:
-    """Write ``dest`` (.tar.gz) with the ``summary.json`` and ``config.yaml`` of every run
-    whose whole group (a T0 family, or a single run) is finished, and the plan's pretrained
+def write_markers(plans: Plan | list[Plan], dest: Path) -> int:
+    """Write ``dest`` (.tar.gz) with the ``summary.json`` and ``config.yaml`` of every run of
+    ``plans`` (a plan, or a tuned plan's stages) whose whole group (a T0 family, or a single
+    run) is finished, and the plans' pretrained
     files: unpacked into ``out_dir`` on a fresh machine, it makes the study skip exactly those
     groups (an unfinished family reruns from its head, which keeps the snapshots its branches
     need) and start FedSQ from the same pretrained S. A marked run whose configuration
@@ -540,18 +545,21 @@ def write_markers(plan: Plan, dest: Path) -> int:
     (:func:`check_existing`). Returns the number of runs marked."""
     dest = Path(dest)
     marked = 0
+    out_dir, specs = stage_runs(plans)
+    plans = [plans] if isinstance(plans, Plan) else list(plans)
     with atomic_path(dest) as tmp, tarfile.open(tmp, "w:gz") as tar:
-        for members in families(plan_runs(plan)):
+        for members in families(specs):
             if all(run_status(m.run_dir) in FINAL for m in members):
                 for m in members:
-                    rel = m.run_dir.relative_to(plan.out_dir)
+                    rel = m.run_dir.relative_to(out_dir)
                     for name in sorted(MARKER_FILES):
                         if (m.run_dir / name).is_file():
                             tar.add(m.run_dir / name, arcname=f"{rel}/{name}")
                     marked += 1
-        for job in plan.pretrain:
-            if plan.pretrained_path(job).is_file():
-                tar.add(plan.pretrained_path(job), arcname=f"pretrained/{job.name}.pt")
+        pretrained = {p.pretrained_path(job): job.name for p in plans for job in p.pretrain}
+        for path, name in pretrained.items():
+            if path.is_file():
+                tar.add(path, arcname=f"pretrained/{name}.pt")
     return marked
 
 

@@ -11,6 +11,7 @@ import torch
 from conftest import (
     TINY,
     assert_group_equals_alone,
+    assert_rows_agree,
     assert_run_refused,
     metric_rows,
     tiny_config,
@@ -121,6 +122,20 @@ def test_attention_scores_order_keys_like_the_attention(tmp_path):
     torch.testing.assert_close(scores[:len(ref)], ref, rtol=1e-5, atol=1e-6)
 
 
+def test_attention_probe_gives_float32_rows_under_bf16_autocast(tmp_path):
+    """On a GPU the federation evaluates under bf16 autocast; the rows kernel_stability reads
+    stay float32 (numpy has no bfloat16), equal to the fp32 rows to bf16's precision."""
+    cfg = tiny_config(*BASE, "algorithm.warmup=kernel_stability", "model.depth=2")
+    prep = prepare_start(cfg, out=tmp_path / "r", dataset=load_data(cfg))
+    fed, state = prep.fed, prep.state
+    plain = fed._attention_probe(state)
+    fed.autocast = torch.bfloat16  # as train.precision=bf16 sets it on CUDA
+    rows = fed._attention_probe(state)
+    assert rows.dtype == torch.float32 and rows.cpu().numpy().dtype.name == "float32"
+    torch.testing.assert_close(rows, plain, rtol=0.05, atol=0.05)
+    assert not torch.equal(rows, plain)  # the projections did run in bf16
+
+
 @pytest.mark.parametrize("override, text", [
     (["algorithm.warmup=freeze_soon"], "algorithm.warmup='freeze_soon'"),
     (["algorithm.warmup=fraction=1.5"], "algorithm.warmup='fraction=1.5'"),
@@ -131,3 +146,32 @@ def test_attention_scores_order_keys_like_the_attention(tmp_path):
 ])
 def test_bad_rules_exit_2_and_write_nothing(tmp_path, capsys, override, text):
     assert_run_refused(tmp_path, capsys, [*TINY, *BASE, *override], text)
+
+
+def test_a_run_whose_round_observation_breaks_leaves_the_group_and_the_others_finish(
+        tmp_path, monkeypatch):
+    """A freeze rule that raises while observing a round (here kernel_stability's attention
+    probe) takes only its own run out of a stacked group: the group's other runs finish with
+    the metrics they have alone (within the stacked tolerance), and the broken run is reported
+    by its label."""
+    from real_data.federation import Federation
+    from real_data.stacked_runs import RunRequest, run_group
+
+    cfgs = {r: tiny_config(*BASE, f"algorithm.warmup={r}", "train.rounds=6")
+            for r in ("perturbation", "kernel_stability", "plateau")}
+    for name in ("perturbation", "plateau"):
+        start_run(cfgs[name], out=tmp_path / "alone" / name)
+
+    def broken(self, state):
+        raise TypeError("Got unsupported ScalarType BFloat16")
+    monkeypatch.setattr(Federation, "_attention_probe", broken)
+    errors = []
+    done = run_group([RunRequest(tmp_path / "group" / n, c, label=n) for n, c in cfgs.items()],
+                     dataset=load_data(cfgs["plateau"]), log=lambda s: None,
+                     on_error=lambda label, exc: errors.append((label, type(exc).__name__)))
+    assert errors == [("kernel_stability", "TypeError")]
+    assert sorted(label for label, r in done if r.status == "completed") == ["perturbation",
+                                                                             "plateau"]
+    for name in ("perturbation", "plateau"):
+        assert_rows_agree(tmp_path / "alone" / name / "metrics.csv",
+                          tmp_path / "group" / name / "metrics.csv")

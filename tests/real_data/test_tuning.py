@@ -422,3 +422,74 @@ def test_an_arm_with_one_candidate_takes_no_tuning_run(tmp_path):
     tuned = {s.key.split("/")[0] + "/" + s.arm.name.split("+")[0]
              for s in study.plan_runs(study.tuning_plan(plan))}
     assert tuned == {"digits/fedavg", "digits/frozen", "shifted/fedavg", "shifted/frozen"}
+
+
+def test_a_pack_of_both_stages_carries_the_tuning_runs_that_choose_the_finals(tmp_path):
+    """Run without --stage, the study trains both stages; its --pack and --markers then hold the
+    tuning runs too, so a machine that unpacks them chooses the same final configurations
+    (a pack of the final stage alone would leave the choice behind)."""
+    import tarfile
+
+    path = _write(tmp_path)
+    out = tmp_path / "out"
+    res = run_cli("study", "--plan", str(path), "--out", str(out))
+    assert res.returncode == 0, res.stderr[-2000:]
+    pack, markers = tmp_path / "runs.tar.gz", tmp_path / "markers.tar.gz"
+    res = run_cli("study", "--plan", str(path), "--out", str(out), "--aggregate-only",
+                  "--no-tables", "--pack", str(pack), "--markers", str(markers))
+    assert res.returncode == 0, res.stderr[-2000:]
+    plan = study.load_plan(path, out)
+    tune_keys = {s.key for s in study.plan_runs(study.tuning_plan(plan))}
+    final_keys = {s.key for s in study.plan_runs(study.final_plan(plan, study.choose(plan)))}
+    with tarfile.open(pack) as tar:
+        packed = {n.rsplit("/", 1)[0] for n in tar.getnames() if n.endswith("metrics.csv")}
+    assert packed == tune_keys | final_keys and len(tune_keys) == 10
+    with tarfile.open(markers) as tar:
+        marked = {n.rsplit("/", 1)[0] for n in tar.getnames() if n.endswith("summary.json")}
+    assert marked == tune_keys | final_keys
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    with tarfile.open(pack) as tar:
+        tar.extractall(fresh, filter="data")
+    res = run_cli("study", "--plan", str(path), "--out", str(fresh), "--stage", "final",
+                  "--aggregate-only")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert (json.loads((fresh / study.CHOICES_FILE).read_text())
+            == json.loads((out / study.CHOICES_FILE).read_text()))
+
+
+def test_a_timed_worker_waits_for_tuning_another_worker_holds(tmp_path, monkeypatch, capsys):
+    """Both stages under --deadline, two workers: worker 0's tuning shard ends while a run of
+    worker 1's shard is still held (its lock), so the final stage cannot be planned yet;
+    worker 0 waits for it, polling, instead of leaving, and stops waiting once nobody holds
+    an unfinished tuning run. Without --deadline (not a timed worker) nothing waits."""
+    import real_data.cli as cli
+    from linattn.cli import main as linattn_main
+    from real_data.lock import RunLock
+    from real_data.study.runner import families
+
+    path = _write(tmp_path)
+    out = tmp_path / "out"
+    plan = study.load_plan(path, out)
+    other = study.shard_groups(families(study.plan_runs(study.tuning_plan(plan))),
+                               (1, 2))
+    held = other[0][0].run_dir  # a family head worker 1 trains
+    held.mkdir(parents=True)
+    lock = RunLock.acquire(held)
+    assert cli._tuning_in_progress(plan)
+    polls = []
+
+    def pause(seconds):  # worker 1 ends (killed) without finishing its run
+        polls.append(seconds)
+        lock.release()
+    monkeypatch.setattr(cli, "_pause", pause)
+    worker0 = ["study", "--plan", str(path), "--out", str(out), "--shard", "0/2"]
+    assert linattn_main([*worker0, "--deadline", "3600"]) == 0
+    assert polls == [cli.TUNING_POLL_S] and not cli._tuning_in_progress(plan)
+    assert "the final stage waits for the tuning runs" in capsys.readouterr().out
+    lock = RunLock.acquire(held)
+    try:
+        assert linattn_main(worker0) == 0
+    finally:
+        lock.release()
+    assert "the final stage waits" in capsys.readouterr().out and len(polls) == 1

@@ -150,7 +150,8 @@ def test_gpu_study_script_stops_when_pretraining_fails(tmp_path):
                     or shutil.which("split") is None, reason="needs bash, timeout and split")
 def test_gpu_study_script_packs_the_stage_and_slice_it_trains(tmp_path):
     """The study options reach the final listing, pack and markers: a tuned plan's tuning
-    stage, then the final stage of one arm, packs that arm's final runs and nothing else."""
+    stage, then the final stage of one arm, packs that arm's final runs and nothing else, and
+    the tuning's choices.json comes back."""
     env = _stand_in_env(tmp_path)
     plan_path = tmp_path / "plan.yaml"
     plan_path.write_text(yaml.safe_dump({
@@ -176,3 +177,6 @@ def test_gpu_study_script_packs_the_stage_and_slice_it_trains(tmp_path):
     assert tuned == {f"digits/fedavg+{i}/alpha=0.5/seed=7" for i in (0, 1)}
     final = call(tmp_path / "final", "--stage", "final", "--slice", "digits/fedavg/*")
     assert final == {f"digits/fedavg/alpha=0.5/seed={s}" for s in (0, 1)}
+    # the choice comes back beside the runs, for the next machine's --choices
+    assert ((tmp_path / "final" / "choices.json").read_text()
+            == (tmp_path / "runs" / "choices.json").read_text())
