@@ -103,6 +103,10 @@ def _sweep(argv: list[str]) -> int:
                     help="comma list of FedFrozen warm-up lengths T0 (default: the config's)")
     ap.add_argument("--alphas", type=_floats, default=[],
                     help="comma list of Dirichlet alphas (default: the config's partition.alpha)")
+    ap.add_argument("--pace-table", type=Path, metavar="study_per_run.csv",
+                    help="with --pace-from: where PLAN's runs are not here, the per-run table "
+                    "its --export wrote (e.g. docs/study/fair/study_per_run.csv) gives the "
+                    "measured GPU paces")
     ap.add_argument("--no-stack", action="store_true",
                     help="train the runs one after another instead of in stacked groups "
                     "(same results up to rounding; stacking shares each round's engine call)")
@@ -275,6 +279,10 @@ def _study(argv: list[str]) -> int:
     ap.add_argument("--pace-from", metavar="PLAN", default=None,
                     help="with --estimate: where this plan has no finished GPU run, price it at "
                     "the pace per unit of local work measured in PLAN's runs")
+    ap.add_argument("--pace-table", type=Path, metavar="study_per_run.csv",
+                    help="with --pace-from: where PLAN's runs are not here, the per-run table "
+                    "its --export wrote (e.g. docs/study/fair/study_per_run.csv) gives the "
+                    "measured GPU paces")
     ap.add_argument("--no-stack", action="store_true",
                     help="train run groups one after another instead of stacking them "
                     "(stacked groups share each round's engine call; same results up to "
@@ -329,6 +337,8 @@ def _study(argv: list[str]) -> int:
         return _study_profile(args, full, shard)
     if args.pace_from is not None and not args.estimate:
         raise UserError("--pace-from: only with --estimate")
+    if args.pace_table is not None and args.pace_from is None:
+        raise UserError("--pace-table: only with --pace-from PLAN (the plan that wrote it)")
     for flag in ("profile_steps", "profile_lr", "profile_batch_size", "profile_phi_rule",
                  "profile_eval_every", "device"):
         if getattr(args, flag) is not None:
@@ -417,7 +427,7 @@ def _study(argv: list[str]) -> int:
         stage_plans.append(plan)
         if args.estimate:
             rows = study.estimate(plan, slices, None if args.pace_from is None else
-                                  study.load_plan(args.pace_from))
+                                  study.load_plan(args.pace_from), args.pace_table)
             label = "" if stage == "plain" else f" ({stage})"
             print(f"study{label}: what is left, per sweep")
             for r in rows:

@@ -8,6 +8,7 @@ skipped, an interrupted run resumed from its last checkpoint, a missing one star
 from __future__ import annotations
 
 import collections
+import csv
 import fnmatch
 import json
 import math
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from linattn.errors import ConfigError, UserError
+from linattn.errors import ConfigError, DataError, UserError
 from linattn.fileio import atomic_path
 from real_data.config import load_config
 from real_data.lock import RunLocked
@@ -149,9 +150,7 @@ def measured_pace(specs: list[RunSpec], before: float | None = None) -> dict:
     (``("*", arm)``, for an arm not yet run in some sweep); the median pace per unit of local
     work of the sweeps of each attention kind relative to the overall one (``("*attention",
     kind)``, for a sweep not run yet); empty when none ran on a GPU. CPU runs are left out."""
-    by_arm: dict[tuple, list[float]] = {}
-    work: dict[str, float] = {}  # each measured sweep's local work per round
-    kind: dict[str, str | None] = {}  # and its attention
+    measured = []
     for s in specs:
         if not _finished_before(s.run_dir, before):
             continue
@@ -160,7 +159,54 @@ def measured_pace(specs: list[RunSpec], before: float | None = None) -> dict:
         if info.get("status") != "completed" or not sec or \
                 info.get("device", {}).get("type") != "cuda":
             continue
-        by_arm.setdefault((s.sweep.name, s.arm.name), []).append(float(sec))
+        measured.append((s, float(sec)))
+    return _pace(measured)
+
+
+def exported_pace(plan: Plan, table: Path) -> dict:
+    """:func:`measured_pace` from a study's exported per-run table (``study_per_run.csv`` of
+    its ``--export`` folder, one row per run: ``sweep``, ``arm``, ``seconds_per_round``,
+    ``status``, ``device_type`` or, in a table without that column, ``device`` naming a CUDA
+    card: ``NVIDIA ...``), so a fresh clone prices with the GPU paces a study measured and
+    published. ``plan`` is the study that wrote the table (its sweeps' local work); rows of
+    sweeps or arms it does not have are left out. Raises ``DataError`` naming the file for
+    a missing file or column."""
+    table = Path(table)
+    try:
+        with open(table, newline="") as f:
+            rows = list(csv.DictReader(f))
+    except OSError as exc:
+        raise DataError(f"{table}: cannot read the per-run table ({exc.strerror}); pass the "
+                        "study_per_run.csv of a study's --export folder") from None
+    need = {"sweep", "arm", "seconds_per_round", "status"}
+    have = set(rows[0]) if rows else need
+    if not need <= have or not have & {"device", "device_type"}:
+        raise DataError(f"{table}: not a study's per-run table (needs the columns "
+                        f"{', '.join(sorted(need))} and device or device_type)")
+    first = {}
+    for s in plan_runs(plan):
+        first.setdefault((s.sweep.name, s.arm.name), s)
+    measured = []
+    for r in rows:
+        spec = first.get((r["sweep"], r["arm"]))
+        gpu = (r["device_type"] == "cuda" if r.get("device_type") else
+               r.get("device", "").startswith("NVIDIA"))
+        try:
+            sec = float(r["seconds_per_round"])
+        except ValueError:
+            continue
+        if spec is not None and gpu and r["status"] == "completed" and sec > 0:
+            measured.append((spec, sec))
+    return _pace(measured)
+
+
+def _pace(measured: list[tuple[RunSpec, float]]) -> dict:
+    """:func:`measured_pace` of completed GPU runs given as (run, seconds per round)."""
+    by_arm: dict[tuple, list[float]] = {}
+    work: dict[str, float] = {}  # each measured sweep's local work per round
+    kind: dict[str, str | None] = {}  # and its attention
+    for s, sec in measured:
+        by_arm.setdefault((s.sweep.name, s.arm.name), []).append(sec)
         if s.sweep.name not in work:
             cfg = run_config(s, s.warmup_rounds)
             work[s.sweep.name] = _local_work(cfg, WIDTH_FLOOR)
@@ -359,7 +405,7 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
 
 
 def estimate(plan: Plan, pattern: str | list[str] | None = None,
-             pace_plan: Plan | None = None) -> list[dict]:
+             pace_plan: Plan | None = None, pace_table: Path | None = None) -> list[dict]:
     """What the selection still costs, per sweep: runs not finished, the run-rounds they train
     (a T0 family's head all its rounds, each branch the rounds after its T0) and the GPU
     seconds at the pace measured in the plan's finished GPU runs (:func:`measured_pace`; a
@@ -367,7 +413,8 @@ def estimate(plan: Plan, pattern: str | list[str] | None = None,
     costs as ``--deadline`` and ``--shard`` use, before stacking (a stacked group trains its
     runs together; the measured pace is its per-run share). ``pace_plan``: where this plan
     has no finished GPU run, the overall pace per unit of local work (and the arms' ratios)
-    measured in that plan's runs prices every sweep."""
+    measured in that plan's runs prices every sweep; ``pace_table``: that plan's exported
+    per-run table (:func:`exported_pace`) where its runs are not here."""
     patterns = [pattern] if isinstance(pattern, str) else list(pattern or [])
     specs = [s for s in plan_runs(plan)
              if not patterns or any(fnmatch.fnmatch(s.key, p) for p in patterns)]
@@ -375,6 +422,8 @@ def estimate(plan: Plan, pattern: str | list[str] | None = None,
     borrowed = False
     if not pace and pace_plan is not None:
         other = measured_pace(plan_runs(pace_plan))
+        if not other and pace_table is not None:
+            other = exported_pace(pace_plan, pace_table)
         pace = {k: v for k, v in other.items() if k == "*" or (isinstance(k, tuple)
                                                               and k[0] in ("*", "*attention"))}
         borrowed = bool(pace)

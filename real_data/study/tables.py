@@ -101,6 +101,7 @@ def run_row(run_dir: Path) -> dict | None:
         "train_flops": float(np.sum(m.get("train_flops", [np.nan]))),
         "seconds_per_round": float(summary.get("seconds_per_round", np.nan)),
         "device": summary.get("device", {}).get("name", ""),
+        "device_type": summary.get("device", {}).get("type", ""),
         "status": status,
         # the T0 a run decided itself (warmup=auto or an online freeze rule; T where it never
         # froze), NaN for a fixed T0 or no warm-up

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from conftest import run_cli
 
-from linattn.errors import ConfigError, UserError
+from linattn.errors import ConfigError, DataError, UserError
 from real_data import study
 from real_data.config import load_config
 from real_data.study import runner
@@ -452,6 +452,33 @@ def test_a_sweep_not_run_yet_is_priced_by_its_attentions_measured_ratio(tmp_path
     priced = {r["sweep"]: r["gpu_seconds"] for r in study.estimate(blank, pace_plan=plan)}
     assert priced["lin40"] == pytest.approx(rows["lin40"]["gpu_seconds"])
     assert priced["soft"] == pytest.approx(2 * 3 * (2.0 / unit) * unit * 0.5)
+    # the same paces from the plan's exported per-run table, its runs gone (a fresh clone):
+    # GPU rows by device_type, or by a CUDA card's name where the column is absent; a CPU
+    # row, an unfinished one and an arm the plan lacks are left out
+    table = tmp_path / "study_per_run.csv"
+    lines = ["sweep,arm,seconds_per_round,status,device"]
+    lines += [f"{sw},fedavg,{sec},completed,NVIDIA H200" for (sw, _), sec in measured.items()]
+    lines += ["soft,fedavg,50.0,completed,x86_64", "soft,fedavg,50.0,diverged,NVIDIA H200",
+              "soft,other_arm,50.0,completed,NVIDIA H200"]
+    table.write_text("\n".join(lines) + "\n")
+    gone = study.load_plan(tmp_path / "plan.yaml", tmp_path / "gone")
+    assert study.exported_pace(gone, table) == pytest.approx(pace)
+    assert study.estimate(blank, pace_plan=gone, pace_table=table) == study.estimate(
+        blank, pace_plan=plan)
+    typed = tmp_path / "typed.csv"
+    typed.write_text("sweep,arm,seconds_per_round,status,device_type\n"
+                     + "".join(f"{sw},fedavg,{sec},completed,cuda\n"
+                               for (sw, _), sec in measured.items())
+                     + "soft,fedavg,50.0,completed,cpu\n")
+    assert study.exported_pace(gone, typed) == pytest.approx(pace)
+    with pytest.raises(DataError, match="missing.csv"):
+        study.exported_pace(gone, tmp_path / "missing.csv")
+    (tmp_path / "bad.csv").write_text("sweep,arm\nsoft,fedavg\n")
+    with pytest.raises(DataError, match="not a study's per-run table"):
+        study.exported_pace(gone, tmp_path / "bad.csv")
+    res = run_cli("study", "--plan", str(tmp_path / "plan.yaml"), "--out",
+                  str(tmp_path / "blank"), "--estimate", "--pace-table", str(table))
+    assert res.returncode == 2 and "--pace-table: only with --pace-from" in res.stderr
 
 
 def test_pending_shards_balance_only_the_unfinished_groups(tmp_path):
