@@ -103,10 +103,6 @@ def _sweep(argv: list[str]) -> int:
                     help="comma list of FedFrozen warm-up lengths T0 (default: the config's)")
     ap.add_argument("--alphas", type=_floats, default=[],
                     help="comma list of Dirichlet alphas (default: the config's partition.alpha)")
-    ap.add_argument("--pace-table", type=Path, metavar="study_per_run.csv",
-                    help="with --pace-from: where PLAN's runs are not here, the per-run table "
-                    "its --export wrote (e.g. docs/study/fair/study_per_run.csv) gives the "
-                    "measured GPU paces")
     ap.add_argument("--no-stack", action="store_true",
                     help="train the runs one after another instead of in stacked groups "
                     "(same results up to rounding; stacking shares each round's engine call)")
@@ -184,6 +180,9 @@ def study_threads(threads: int | None, shard: tuple[int, int] | None,
 
 
 TUNING_POLL_S = 10.0  # how often a worker waiting for other workers' tuning runs looks again
+# looks in a row that find no worker tuning before a waiting worker gives up (a worker holds
+# no lock while it starts, loads data or prepares its next group)
+TUNING_GRACE_POLLS = 3
 
 
 def _pause(seconds: float) -> None:
@@ -339,6 +338,8 @@ def _study(argv: list[str]) -> int:
         raise UserError("--pace-from: only with --estimate")
     if args.pace_table is not None and args.pace_from is None:
         raise UserError("--pace-table: only with --pace-from PLAN (the plan that wrote it)")
+    if args.pace_table is not None:  # read now, so a wrong file is named before any pricing
+        study.exported_pace(study.load_plan(args.pace_from), args.pace_table)
     for flag in ("profile_steps", "profile_lr", "profile_batch_size", "profile_phi_rule",
                  "profile_eval_every", "device"):
         if getattr(args, flag) is not None:
@@ -379,40 +380,53 @@ def _study(argv: list[str]) -> int:
             slices = args.slice
             # with --slice, only the selected arms need their tuning finished (or chosen)
             partial = bool(args.slice)
+            misses = 0
+
+            def wait_more() -> bool:
+                """A timed worker whose tuning shard ended waits for the other workers'
+                tuning (they hold their runs' locks) instead of leaving its GPU idle."""
+                nonlocal misses
+                if not (trains and args.deadline is not None
+                        and _left(args.deadline, t_call) > TUNING_POLL_S):
+                    return False
+                misses = 0 if _tuning_in_progress(full) else misses + 1
+                if misses > TUNING_GRACE_POLLS:
+                    return False
+                _pause(TUNING_POLL_S)
+                return True
+
             while True:
                 try:  # the table is written once the selection is known to be valid
                     table = (choices if choices is not None
                              else study.choose(full, False, partial))
                     plan = study.final_plan(full, table, partial=partial)
-                    break
                 except UserError as exc:  # tuning unfinished: nothing to choose from yet
                     if args.stage == "final":
                         raise
-                    # a timed worker whose tuning shard ended waits for the others' (they
-                    # hold their runs' locks) instead of leaving its GPU idle
-                    if (trains and args.deadline is not None
-                            and _left(args.deadline, t_call) > TUNING_POLL_S
-                            and _tuning_in_progress(full)):
-                        _pause(TUNING_POLL_S)
+                    if wait_more():
                         continue
                     print(f"study: the final stage waits for the tuning runs ({exc})")
                     plan = None
                     break
+                keys = [s.key for s in study.plan_runs(plan)] + [
+                    s.key for s, _ in study.same_runs(plan)] if partial else []
+                selecting = [p for p in args.slice or []
+                             if any(fnmatch.fnmatch(k, p) for k in keys)]
+                if partial and not selecting:
+                    msg = (f"--slice {' '.join(args.slice)}: no final run of plan {full.name} "
+                           "is selected whose arm has a chosen configuration")
+                    if args.stage == "final":
+                        raise UserError(f"{msg}; finish those arms' tuning runs (--stage tune "
+                                        "with the same --slice over the tuning keys) or pass "
+                                        "--choices")
+                    if wait_more():
+                        continue
+                    print(f"study: the final stage waits for the tuning runs ({msg})")
+                    plan = None
+                break
             if plan is None:
                 break
-            keys = [s.key for s in study.plan_runs(plan)] + [
-                s.key for s, _ in study.same_runs(plan)] if partial else []
-            selecting = [p for p in args.slice or [] if any(fnmatch.fnmatch(k, p) for k in keys)]
             skipped = [p for p in args.slice or [] if p not in selecting] if partial else []
-            if partial and not selecting:
-                msg = (f"--slice {' '.join(args.slice)}: no final run of plan {full.name} is "
-                       "selected whose arm has a chosen configuration")
-                if args.stage == "final":
-                    raise UserError(f"{msg}; finish those arms' tuning runs (--stage tune "
-                                    "with the same --slice over the tuning keys) or pass "
-                                    "--choices")
-                print(f"study: the final stage waits for the tuning runs ({msg})")
-                break
             for p in skipped:  # its arms are not tuned yet; the other patterns go on
                 print(f"study: --slice {p} selects no final run with a chosen "
                       "configuration (tuning unfinished, absent from --choices, or a T0 "
@@ -462,7 +476,10 @@ def _study(argv: list[str]) -> int:
                                      pending=(args.pending_before
                                               if args.pending_before is not None
                                               else args.pending),
-                                     stack=not args.no_stack)
+                                     stack=not args.no_stack,
+                                     # the tuning runs' pace prices the final stage's deadline
+                                     price_runs=(study.plan_runs(study.tuning_plan(full))
+                                                 if stage == "final" else None))
             print(f"study{'' if stage == 'plain' else ' (' + stage + ')'}:",
                   ", ".join(f"{k} {v}" for k, v in counts.items()))
             if args.pretrain_only:

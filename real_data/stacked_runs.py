@@ -25,6 +25,7 @@ resume in the same groups, so the resumed metrics equal the uninterrupted ones b
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shutil
 import time
@@ -240,7 +241,7 @@ def _run_group(requests, dataset, device, log, on_round_end, on_error, compile
                 results.append(_close(m, "diverged", m.log.diverged_message(exc)))
                 continue
             if got is FAILED:
-                m.running = False
+                _leave(m)
                 continue
             state, pending = got
             updated.append((m, rnd, work, state, pending, time.perf_counter() - t_run))
@@ -254,14 +255,14 @@ def _run_group(requests, dataset, device, log, on_round_end, on_error, compile
             records = guarded(m.label, m.fed.round_records, state, pending,
                               None if hits is None else (lambda s, h=hits: h))
             if records is FAILED:  # its evaluation or round observation broke: it leaves
-                m.running = False
+                _leave(m)
                 continue
             own = (seconds * len(work.ids) / total_clients + t_own
                    + (share if hits is not None else 0.0) + time.perf_counter() - t_run)
             m.prep = dataclasses.replace(m.prep, state=state)
             if guarded(m.label, m.log.record, rnd, work.plan.stage, state, records,
                        own) is FAILED:
-                m.running = False
+                _leave(m)
                 continue
             if rnd >= m.fed.cfg.train.rounds:
                 results.append(_close(m, "completed", ""))
@@ -384,6 +385,19 @@ def _branch(parent: _Member, b: Branch, dataset, device, log, hook) -> _Member |
                              partition=parent.fed.source_partition, branch=snap, device=device)
     return _Member(prep, RunLog(prep, hook), {}, label=b.label)
 
+
+
+def _leave(m: _Member) -> None:
+    """A failed run leaves the group: its progress bar and TensorBoard closed and its run
+    directory's lock released now (its files stay as the last checkpoint left them, so the
+    next call resumes it); no summary is written."""
+    m.running = False
+    with contextlib.suppress(Exception):  # its own files may be what broke
+        m.log.bar.close()
+        if m.log.board is not None:
+            m.log.board.close()
+    if m.prep.lock is not None:
+        m.prep.lock.release()
 
 
 def _close(m: _Member, status: str, message: str) -> tuple[object, RunResult]:

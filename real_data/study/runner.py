@@ -173,13 +173,14 @@ def exported_pace(plan: Plan, table: Path) -> dict:
     a missing file or column."""
     table = Path(table)
     try:
-        with open(table, newline="") as f:
-            rows = list(csv.DictReader(f))
-    except OSError as exc:
-        raise DataError(f"{table}: cannot read the per-run table ({exc.strerror}); pass the "
+        with open(table, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            have = set(reader.fieldnames or ())
+            rows = list(reader)
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise DataError(f"{table}: cannot read the per-run table ({exc}); pass the "
                         "study_per_run.csv of a study's --export folder") from None
     need = {"sweep", "arm", "seconds_per_round", "status"}
-    have = set(rows[0]) if rows else need
     if not need <= have or not have & {"device", "device_type"}:
         raise DataError(f"{table}: not a study's per-run table (needs the columns "
                         f"{', '.join(sorted(need))} and device or device_type)")
@@ -187,15 +188,16 @@ def exported_pace(plan: Plan, table: Path) -> dict:
     for s in plan_runs(plan):
         first.setdefault((s.sweep.name, s.arm.name), s)
     measured = []
-    for r in rows:
-        spec = first.get((r["sweep"], r["arm"]))
-        gpu = (r["device_type"] == "cuda" if r.get("device_type") else
-               r.get("device", "").startswith("NVIDIA"))
+    for r in rows:  # a short row's missing cells read as empty
+        spec = first.get((r.get("sweep") or "", r.get("arm") or ""))
+        gpu = ((r.get("device_type") or "") == "cuda" if "device_type" in have else
+               (r.get("device") or "").startswith("NVIDIA"))
         try:
-            sec = float(r["seconds_per_round"])
+            sec = float(r.get("seconds_per_round") or "nan")
         except ValueError:
             continue
-        if spec is not None and gpu and r["status"] == "completed" and sec > 0:
+        if (spec is not None and gpu and r.get("status") == "completed"
+                and math.isfinite(sec) and sec > 0):
             measured.append((spec, sec))
     return _pace(measured)
 
@@ -301,7 +303,8 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
               budget_s: float | None = None, log=print,
               shard: tuple[int, int] | None = None, pretrain_only: bool = False,
               deadline_s: float | None = None, pending: bool | float = False,
-              stack: bool = True, stack_runs: int = 64) -> dict:
+              stack: bool = True, stack_runs: int = 64,
+              price_runs: list[RunSpec] | None = None) -> dict:
     """Run what is missing, resume what was interrupted; returns counts by outcome (a run
     that fails is logged and counted under ``failed``; the others go on).
 
@@ -325,6 +328,9 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
     stacked groups of at most ``stack_runs`` runs (:mod:`real_data.stacked_runs`); budget and
     deadline then apply per stacked group. A run with ``algorithm.warmup=auto`` (it forks probe
     continuations and rolls back) trains alone, outside the stacks.
+    ``price_runs``: other finished runs of the study (its tuning runs, for the final stage)
+    whose measured GPU pace also prices the deadline, so a stage none of whose runs has
+    finished yet does not start its first group blind.
     """
 
     patterns = [pattern] if isinstance(pattern, str) else list(pattern or [])
@@ -351,6 +357,10 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
     # weigh each group by the seconds per round measured so far for its arm, in the whole
     # plan (a slice not run yet is priced by the sweeps that ran)
     pace = measured_pace(plan_runs(plan), before) if pending is not False else None
+    # the deadline's prices may take every finished run (the split above may not: workers
+    # must agree on it whatever finished since they started)
+    dpace = (measured_pace([*plan_runs(plan), *price_runs]) or pace
+             if deadline_s is not None and price_runs else pace)
     if shard is not None:
         # without pending, over the whole selection: workers started at any time agree on
         # the split, whatever the others have finished meanwhile
@@ -369,10 +379,10 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
         now = time.perf_counter() - start
         finished = frozenset(m.key for m in members if run_status(m.run_dir) in FINAL)
         todo_here = len(finished) < len(members)
-        cost = batch_cost(batch, pace, finished, resumed=True) if deadline_s is not None \
+        cost = batch_cost(batch, dpace, finished, resumed=True) if deadline_s is not None \
             else 0.0
         # at the pace of the groups run here; before any, a measured pace is already seconds
-        ratio = spent / cost_done if cost_done > 0 else (1.0 if pace else None)
+        ratio = spent / cost_done if cost_done > 0 else (1.0 if dpace else None)
         late = deadline_s is not None and ratio is not None and todo_here and \
             now + cost * ratio > deadline_s
         if late and len(batch) > 1:  # a stacked batch too long: its halves may fit

@@ -152,9 +152,10 @@ def test_a_run_whose_round_observation_breaks_leaves_the_group_and_the_others_fi
         tmp_path, monkeypatch):
     """A freeze rule that raises while observing a round (here kernel_stability's attention
     probe) takes only its own run out of a stacked group: the group's other runs finish with
-    the metrics they have alone (within the stacked tolerance), and the broken run is reported
-    by its label."""
+    the metrics they have alone (within the stacked tolerance), the broken run is reported by
+    its label and its run directory's lock is released at once."""
     from real_data.federation import Federation
+    from real_data.lock import holder
     from real_data.stacked_runs import RunRequest, run_group
 
     cfgs = {r: tiny_config(*BASE, f"algorithm.warmup={r}", "train.rounds=6")
@@ -165,11 +166,18 @@ def test_a_run_whose_round_observation_breaks_leaves_the_group_and_the_others_fi
     def broken(self, state):
         raise TypeError("Got unsupported ScalarType BFloat16")
     monkeypatch.setattr(Federation, "_attention_probe", broken)
-    errors = []
+    errors, held = [], []
+    broken_dir = tmp_path / "group" / "kernel_stability"
+
+    def round_end(rnd, run_dir):  # while the others train on, the broken run's lock is free
+        if errors:
+            held.append(holder(broken_dir))
     done = run_group([RunRequest(tmp_path / "group" / n, c, label=n) for n, c in cfgs.items()],
                      dataset=load_data(cfgs["plateau"]), log=lambda s: None,
+                     on_round_end=round_end,
                      on_error=lambda label, exc: errors.append((label, type(exc).__name__)))
     assert errors == [("kernel_stability", "TypeError")]
+    assert held and set(held) == {None}
     assert sorted(label for label, r in done if r.status == "completed") == ["perturbation",
                                                                              "plateau"]
     for name in ("perturbation", "plateau"):

@@ -476,6 +476,20 @@ def test_a_sweep_not_run_yet_is_priced_by_its_attentions_measured_ratio(tmp_path
     (tmp_path / "bad.csv").write_text("sweep,arm\nsoft,fedavg\n")
     with pytest.raises(DataError, match="not a study's per-run table"):
         study.exported_pace(gone, tmp_path / "bad.csv")
+    (tmp_path / "latin.csv").write_bytes(b"sweep,arm,seconds_per_round,status,device\n\xff\n")
+    with pytest.raises(DataError, match="cannot read the per-run table"):
+        study.exported_pace(gone, tmp_path / "latin.csv")
+    # a header alone, a short row, a non-finite or non-numeric pace: no measured pace
+    odd = tmp_path / "odd.csv"
+    odd.write_text("sweep,arm,seconds_per_round,status,device\nsoft,fedavg,0.2\n"
+                   "soft,fedavg,inf,completed,NVIDIA H200\nsoft,fedavg,x,completed,NVIDIA H200\n")
+    assert study.exported_pace(gone, odd) == {}
+    odd.write_text("sweep,arm,seconds_per_round,status,device\n")
+    assert study.exported_pace(gone, odd) == {}
+    res = run_cli("study", "--plan", str(tmp_path / "plan.yaml"), "--out", str(tmp_path / "out"),
+                  "--estimate", "--pace-from", str(tmp_path / "plan.yaml"), "--pace-table",
+                  str(tmp_path / "missing.csv"))
+    assert res.returncode == 2 and "missing.csv" in res.stderr
     res = run_cli("study", "--plan", str(tmp_path / "plan.yaml"), "--out",
                   str(tmp_path / "blank"), "--estimate", "--pace-table", str(table))
     assert res.returncode == 2 and "--pace-table: only with --pace-from" in res.stderr

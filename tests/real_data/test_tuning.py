@@ -461,8 +461,9 @@ def test_a_pack_of_both_stages_carries_the_tuning_runs_that_choose_the_finals(tm
 def test_a_timed_worker_waits_for_tuning_another_worker_holds(tmp_path, monkeypatch, capsys):
     """Both stages under --deadline, two workers: worker 0's tuning shard ends while a run of
     worker 1's shard is still held (its lock), so the final stage cannot be planned yet;
-    worker 0 waits for it, polling, instead of leaving, and stops waiting once nobody holds
-    an unfinished tuning run. Without --deadline (not a timed worker) nothing waits."""
+    worker 0 waits for it, polling, instead of leaving, and stops waiting once nobody has held
+    an unfinished tuning run for TUNING_GRACE_POLLS looks. Without --deadline (not a timed
+    worker) nothing waits."""
     import real_data.cli as cli
     from linattn.cli import main as linattn_main
     from real_data.lock import RunLock
@@ -485,11 +486,43 @@ def test_a_timed_worker_waits_for_tuning_another_worker_holds(tmp_path, monkeypa
     monkeypatch.setattr(cli, "_pause", pause)
     worker0 = ["study", "--plan", str(path), "--out", str(out), "--shard", "0/2"]
     assert linattn_main([*worker0, "--deadline", "3600"]) == 0
-    assert polls == [cli.TUNING_POLL_S] and not cli._tuning_in_progress(plan)
+    # one look finds worker 1 tuning; after it ends, TUNING_GRACE_POLLS more looks find none
+    assert polls == [cli.TUNING_POLL_S] * (1 + cli.TUNING_GRACE_POLLS)
+    assert not cli._tuning_in_progress(plan)
     assert "the final stage waits for the tuning runs" in capsys.readouterr().out
     lock = RunLock.acquire(held)
     try:
         assert linattn_main(worker0) == 0
     finally:
         lock.release()
-    assert "the final stage waits" in capsys.readouterr().out and len(polls) == 1
+    assert "the final stage waits" in capsys.readouterr().out
+    assert len(polls) == 1 + cli.TUNING_GRACE_POLLS
+
+
+def test_the_final_stages_deadline_is_priced_by_the_tuning_runs(tmp_path, monkeypatch):
+    """A final stage none of whose runs has finished starts its first group blind unless the
+    tuning runs' measured GPU pace prices it (price_runs): with 3 s left and 1 s per round
+    measured, no final group (4 rounds) fits and none starts."""
+    from real_data.study import runner
+
+    path = _write(tmp_path)
+    out = tmp_path / "out"
+    res = run_cli("study", "--plan", str(path), "--out", str(out), "--stage", "tune")
+    assert res.returncode == 0, res.stderr[-2000:]
+    plan = study.load_plan(path, out)
+    tuning = study.plan_runs(study.tuning_plan(plan))
+    for spec in tuning:  # as if measured on a GPU: 1 s a round
+        summary = spec.run_dir / "summary.json"
+        info = json.loads(summary.read_text())
+        info["device"] = {"type": "cuda", "name": "NVIDIA H200"}
+        info["seconds_per_round"] = 1.0
+        summary.write_text(json.dumps(info))
+    final = study.final_plan(plan, study.choose(plan))
+    ran = []
+    monkeypatch.setattr(runner, "_run_stacked", lambda batch, counts, log: ran.append(batch))
+    monkeypatch.setattr(runner, "_run_group", lambda members, counts, log: ran.append(members))
+    study.run_study(final, deadline_s=3.0, pending=True, log=lambda *_: None,
+                    price_runs=tuning)
+    assert ran == []  # every group trains at least 4 rounds: >= 4 s
+    study.run_study(final, deadline_s=3.0, pending=True, log=lambda *_: None)
+    assert ran  # unpriced, the first group starts whatever its length
