@@ -180,9 +180,12 @@ def study_threads(threads: int | None, shard: tuple[int, int] | None,
 
 
 TUNING_POLL_S = 10.0  # how often a worker waiting for other workers' tuning runs looks again
-# looks in a row that find no worker tuning before a waiting worker gives up (a worker holds
-# no lock while it starts, loads data or prepares its next group)
+# looks in a row, after the first that finds no worker tuning, before a waiting worker gives
+# up (a worker holds no lock while it starts, loads data or prepares its next group)
 TUNING_GRACE_POLLS = 3
+# a worker that has seen no tuning in progress gives those looks only this early in its call,
+# while the other workers may still be starting
+TUNING_START_S = 60.0
 
 
 def _pause(seconds: float) -> None:
@@ -194,13 +197,31 @@ def _left(deadline: float, since: float) -> float:
     return deadline - (time.monotonic() - since)
 
 
-def _tuning_in_progress(full) -> bool:
-    """Whether a live process (another worker) holds an unfinished tuning run of ``full``."""
+def _tuning_runs(full, arms: set | None = None) -> list:
+    """The tuning runs of ``full``, named by their arm (``fedavg`` for ``fedavg+1``'s grid
+    point), so their paces price the final runs of the same arm; only the (sweep, arm) pairs
+    in ``arms`` where given."""
+    import dataclasses
+
+    from real_data import study
+
+    runs = []
+    for s in study.plan_runs(study.tuning_plan(full)):
+        base, _, point = s.arm.name.rpartition("+")
+        name = base if base and point.isdigit() else s.arm.name
+        if arms is None or (s.sweep.name, name) in arms:
+            runs.append(dataclasses.replace(s, arm=dataclasses.replace(s.arm, name=name)))
+    return runs
+
+
+def _tuning_in_progress(full, arms: set | None = None) -> bool:
+    """Whether a live process (another worker) holds an unfinished tuning run of ``full`` (of
+    the (sweep, arm) pairs in ``arms`` where given)."""
     from real_data import study
     from real_data.lock import holder
 
     return any(study.run_status(s.run_dir) not in study.FINAL and holder(s.run_dir)
-               for s in study.plan_runs(study.tuning_plan(full)))
+               for s in _tuning_runs(full, arms))
 
 
 def _study(argv: list[str]) -> int:
@@ -380,18 +401,27 @@ def _study(argv: list[str]) -> int:
             slices = args.slice
             # with --slice, only the selected arms need their tuning finished (or chosen)
             partial = bool(args.slice)
-            misses = 0
+            misses, seen = 0, False
+            # the arms a --slice may select: only their tuning is worth waiting for
+            wanted = None if not partial else {
+                (s.sweep.name, s.arm.name) for s in study.plan_runs(full)
+                if any(fnmatch.fnmatch(s.key, p) for p in args.slice)}
 
-            def wait_more() -> bool:
+            def wait_more(wanted=wanted) -> bool:
                 """A timed worker whose tuning shard ended waits for the other workers'
-                tuning (they hold their runs' locks) instead of leaving its GPU idle."""
-                nonlocal misses
-                if not (trains and args.deadline is not None
+                tuning (they hold their runs' locks) instead of leaving its GPU idle; with
+                --choices the choice cannot change, so nothing waits."""
+                nonlocal misses, seen
+                if not (trains and choices is None and args.deadline is not None
                         and _left(args.deadline, t_call) > TUNING_POLL_S):
                     return False
-                misses = 0 if _tuning_in_progress(full) else misses + 1
-                if misses > TUNING_GRACE_POLLS:
-                    return False
+                if _tuning_in_progress(full, wanted):
+                    misses, seen = 0, True
+                else:
+                    misses += 1
+                    young = time.monotonic() - t_call < TUNING_START_S
+                    if misses > TUNING_GRACE_POLLS or not (seen or young):
+                        return False
                 _pause(TUNING_POLL_S)
                 return True
 
@@ -478,7 +508,7 @@ def _study(argv: list[str]) -> int:
                                               else args.pending),
                                      stack=not args.no_stack,
                                      # the tuning runs' pace prices the final stage's deadline
-                                     price_runs=(study.plan_runs(study.tuning_plan(full))
+                                     price_runs=(_tuning_runs(full)
                                                  if stage == "final" else None))
             print(f"study{'' if stage == 'plain' else ' (' + stage + ')'}:",
                   ", ".join(f"{k} {v}" for k, v in counts.items()))

@@ -394,6 +394,7 @@ def _leave(m: _Member) -> None:
     m.running = False
     with contextlib.suppress(Exception):  # its own files may be what broke
         m.log.bar.close()
+    with contextlib.suppress(Exception):
         if m.log.board is not None:
             m.log.board.close()
     if m.prep.lock is not None:

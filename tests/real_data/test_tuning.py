@@ -526,3 +526,54 @@ def test_the_final_stages_deadline_is_priced_by_the_tuning_runs(tmp_path, monkey
     assert ran == []  # every group trains at least 4 rounds: >= 4 s
     study.run_study(final, deadline_s=3.0, pending=True, log=lambda *_: None)
     assert ran  # unpriced, the first group starts whatever its length
+
+
+def test_a_worker_waits_only_for_tuning_that_can_change_its_final_runs(tmp_path, monkeypatch):
+    """With --choices the choice is fixed, and with a --slice only the selected arms' tuning
+    matters: tuning of other arms held by another worker makes nobody wait."""
+    import real_data.cli as cli
+    from linattn.cli import main as linattn_main
+    from real_data.lock import RunLock
+
+    path = _write(tmp_path)
+    out = tmp_path / "out"
+    plan = study.load_plan(path, out)
+    frozen = next(s for s in study.plan_runs(study.tuning_plan(plan))
+                  if s.arm.name.startswith("frozen"))
+    frozen.run_dir.mkdir(parents=True)
+    lock = RunLock.acquire(frozen.run_dir)
+    polls = []
+    monkeypatch.setattr(cli, "_pause", polls.append)
+    try:
+        assert cli._tuning_in_progress(plan, {("digits", "frozen")})
+        assert not cli._tuning_in_progress(plan, {("digits", "fedavg")})
+        # fedavg's final runs wait on fedavg's tuning only, which nobody holds
+        base = ["study", "--plan", str(path), "--out", str(out), "--deadline", "3600"]
+        assert linattn_main([*base, "--slice", "digits/fedavg*/*"]) == 0
+        assert polls == [] and all(study.run_status(s.run_dir) == "completed"
+                                   for s in study.plan_runs(plan)
+                                   if s.arm.name == "fedavg")
+        # a fixed choice (fedavg's alone) cannot change: the frozen slice waits for nothing
+        table = tmp_path / "choices.json"
+        table.write_text((out / study.CHOICES_FILE).read_text())
+        assert linattn_main([*base, "--choices", str(table), "--slice", "digits/frozen-*"]) == 0
+        assert polls == []
+        # a fresh folder: fedavg's final runs need fedavg's tuning, which nobody trains
+        # (frozen's is held); past the start-up window the worker leaves at once
+        monkeypatch.setattr(cli, "TUNING_START_S", 0.0)
+        other = study.load_plan(path, tmp_path / "fresh")
+        held = next(s for s in study.plan_runs(study.tuning_plan(other))
+                    if s.arm.name.startswith("frozen")).run_dir
+        held.mkdir(parents=True)
+        lock2 = RunLock.acquire(held)
+        try:
+            assert linattn_main(["study", "--plan", str(path), "--out", str(tmp_path / "fresh"),
+                                 "--deadline", "3600", "--slice", "digits/fedavg/*"]) == 0
+        finally:
+            lock2.release()
+        assert polls == []
+    finally:
+        lock.release()
+    # the tuning runs price the final arms by their own names (fedavg+1 -> fedavg)
+    names = {(s.sweep.name, s.arm.name) for s in cli._tuning_runs(plan)}
+    assert names == {("digits", "fedavg"), ("digits", "frozen")}
