@@ -180,3 +180,41 @@ def test_gpu_study_script_packs_the_stage_and_slice_it_trains(tmp_path):
     # the choice comes back beside the runs, for the next machine's --choices
     assert ((tmp_path / "final" / "choices.json").read_text()
             == (tmp_path / "runs" / "choices.json").read_text())
+
+
+def test_gpu_study_script_runs_both_stages_of_a_tuned_plan_in_one_call(tmp_path):
+    """Both stages in one call on two stand-in GPUs: each worker tunes its shard, the final
+    stage is planned once every tuning run has finished (a worker done first waits for the
+    other), every final run trains, and what comes back holds the tuning runs with the finals
+    and the choice, so a later machine can take it with --choices."""
+    env = _stand_in_env(tmp_path)
+    plan_path = tmp_path / "plan.yaml"
+    plan_path.write_text(yaml.safe_dump({
+        "name": "tuned", "out_dir": str(tmp_path / "runs"), "seeds": [0, 1],
+        "tune": {"seed": 7, "last": 2, "validation_fraction": 0.2},
+        "sweeps": [{"name": "digits", "config": "digits_vit", "overrides": TINY,
+                    "alphas": [0.5], "grid": {"train.lr": [0.05, 0.3]}, "arms": [
+                        {"name": "fedavg", "overrides": ["algorithm.name=fedavg"]},
+                        {"name": "frozen", "overrides": ["algorithm.name=fedfrozen",
+                                                         "algorithm.train=v"],
+                         "warmup_rounds": [1, 2]}]}]}))
+    out = tmp_path / "call"
+    res = subprocess.run(["bash", str(SCRIPT), str(plan_path), "300", "1", str(out)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    plan = study.load_plan(plan_path)
+    tune_keys = {s.key for s in study.plan_runs(study.tuning_plan(plan))}
+    final_keys = {s.key for s in study.plan_runs(study.final_plan(plan, study.choose(plan)))}
+    assert all(study.run_status(s.run_dir) == "completed"
+               for s in study.plan_runs(study.final_plan(plan, study.choose(plan))))
+    data = b"".join(p.read_bytes() for p in sorted(out.glob("study_runs*")))
+    (out / "all.tar.gz").write_bytes(data)
+    with tarfile.open(out / "all.tar.gz") as tar:
+        packed = {m.rsplit("/", 1)[0] for m in tar.getnames() if m.endswith("summary.json")}
+    assert packed == tune_keys | final_keys
+    assert ((out / "choices.json").read_text()
+            == (tmp_path / "runs" / "choices.json").read_text())
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        logs = {m.name: tar.extractfile(m).read().decode() for m in tar.getmembers()
+                if m.name.endswith(".log") and "worker" in m.name}
+    assert len(logs) == 2 and all("study (final):" in text for text in logs.values())
