@@ -146,13 +146,8 @@ def test_gpu_study_script_stops_when_pretraining_fails(tmp_path):
     assert not list((tmp_path / "o").glob("study_runs*"))  # no worker ran
 
 
-@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None
-                    or shutil.which("split") is None, reason="needs bash, timeout and split")
-def test_gpu_study_script_packs_the_stage_and_slice_it_trains(tmp_path):
-    """The study options reach the final listing, pack and markers: a tuned plan's tuning
-    stage, then the final stage of one arm, packs that arm's final runs and nothing else, and
-    the tuning's choices.json comes back."""
-    env = _stand_in_env(tmp_path)
+def _tuned_plan(tmp_path: Path) -> Path:
+    """A tuned plan (lr grid, FedAvg and a FedFrozen T0 family) written to tmp_path."""
     plan_path = tmp_path / "plan.yaml"
     plan_path.write_text(yaml.safe_dump({
         "name": "tuned", "out_dir": str(tmp_path / "runs"), "seeds": [0, 1],
@@ -163,6 +158,17 @@ def test_gpu_study_script_packs_the_stage_and_slice_it_trains(tmp_path):
                         {"name": "frozen", "overrides": ["algorithm.name=fedfrozen",
                                                          "algorithm.train=v"],
                          "warmup_rounds": [1, 3]}]}]}))
+    return plan_path
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None
+                    or shutil.which("split") is None, reason="needs bash, timeout and split")
+def test_gpu_study_script_packs_the_stage_and_slice_it_trains(tmp_path):
+    """The study options reach the final listing, pack and markers: a tuned plan's tuning
+    stage, then the final stage of one arm, packs that arm's final runs and nothing else, and
+    the tuning's choices.json comes back."""
+    env = _stand_in_env(tmp_path)
+    plan_path = _tuned_plan(tmp_path)
 
     def call(out: Path, *args: str) -> subprocess.CompletedProcess:
         res = subprocess.run(["bash", str(SCRIPT), str(plan_path), "120", "1", str(out), *args],
@@ -182,22 +188,15 @@ def test_gpu_study_script_packs_the_stage_and_slice_it_trains(tmp_path):
             == (tmp_path / "runs" / "choices.json").read_text())
 
 
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None
+                    or shutil.which("split") is None, reason="needs bash, timeout and split")
 def test_gpu_study_script_runs_both_stages_of_a_tuned_plan_in_one_call(tmp_path):
     """Both stages in one call on two stand-in GPUs: each worker tunes its shard, the final
     stage is planned once every tuning run has finished (a worker done first waits for the
     other), every final run trains, and what comes back holds the tuning runs with the finals
     and the choice, so a later machine can take it with --choices."""
     env = _stand_in_env(tmp_path)
-    plan_path = tmp_path / "plan.yaml"
-    plan_path.write_text(yaml.safe_dump({
-        "name": "tuned", "out_dir": str(tmp_path / "runs"), "seeds": [0, 1],
-        "tune": {"seed": 7, "last": 2, "validation_fraction": 0.2},
-        "sweeps": [{"name": "digits", "config": "digits_vit", "overrides": TINY,
-                    "alphas": [0.5], "grid": {"train.lr": [0.05, 0.3]}, "arms": [
-                        {"name": "fedavg", "overrides": ["algorithm.name=fedavg"]},
-                        {"name": "frozen", "overrides": ["algorithm.name=fedfrozen",
-                                                         "algorithm.train=v"],
-                         "warmup_rounds": [1, 2]}]}]}))
+    plan_path = _tuned_plan(tmp_path)
     out = tmp_path / "call"
     res = subprocess.run(["bash", str(SCRIPT), str(plan_path), "300", "1", str(out)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
