@@ -197,23 +197,6 @@ def _left(deadline: float, since: float) -> float:
     return deadline - (time.monotonic() - since)
 
 
-def _tuning_runs(full, arms: set | None = None) -> list:
-    """The tuning runs of ``full``, named by their arm (``fedavg`` for ``fedavg+1``'s grid
-    point), so their paces price the final runs of the same arm; only the (sweep, arm) pairs
-    in ``arms`` where given."""
-    import dataclasses
-
-    from real_data import study
-
-    runs = []
-    for s in study.plan_runs(study.tuning_plan(full)):
-        base, _, point = s.arm.name.rpartition("+")
-        name = base if base and point.isdigit() else s.arm.name
-        if arms is None or (s.sweep.name, name) in arms:
-            runs.append(dataclasses.replace(s, arm=dataclasses.replace(s.arm, name=name)))
-    return runs
-
-
 def _tuning_in_progress(full, arms: set | None = None) -> bool:
     """Whether a live process (another worker) holds an unfinished tuning run of ``full`` (of
     the (sweep, arm) pairs in ``arms`` where given)."""
@@ -221,7 +204,7 @@ def _tuning_in_progress(full, arms: set | None = None) -> bool:
     from real_data.lock import holder
 
     return any(study.run_status(s.run_dir) not in study.FINAL and holder(s.run_dir)
-               for s in _tuning_runs(full, arms))
+               for s in study.tuning_runs(full, arms))
 
 
 def _study(argv: list[str]) -> int:
@@ -508,7 +491,7 @@ def _study(argv: list[str]) -> int:
                                               else args.pending),
                                      stack=not args.no_stack,
                                      # the tuning runs' pace prices the final stage's deadline
-                                     price_runs=(_tuning_runs(full)
+                                     price_runs=(study.tuning_runs(full)
                                                  if stage == "final" else None))
             print(f"study{'' if stage == 'plain' else ' (' + stage + ')'}:",
                   ", ".join(f"{k} {v}" for k, v in counts.items()))

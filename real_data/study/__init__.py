@@ -145,6 +145,7 @@ from real_data.study.tuning import (
     load_choices,
     schedule_gains,
     tuning_plan,
+    tuning_runs,
     write_choices,
     write_schedule_gains,
 )
@@ -179,6 +180,7 @@ __all__ = [
     "load_choices",
     "grid_points",
     "tuning_plan",
+    "tuning_runs",
     "write_choices",
     "write_comparison",
     "Arm",

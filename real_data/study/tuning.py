@@ -56,6 +56,7 @@ from real_data.study.plan import (
     higher_is_better,
     inside,
     override_value,
+    plan_runs,
     run_key,
     with_same_runs,
 )
@@ -124,6 +125,20 @@ def tuning_plan(plan: Plan) -> Plan:
                      for i, point in enumerate(grid_points(sw, arm)))
         sweeps.append(dataclasses.replace(sw, arms=arms, seeds=(plan.tune.seed,), grid=()))
     return dataclasses.replace(plan, name=f"{plan.name}-tune", sweeps=tuple(sweeps), tune=None)
+
+
+def tuning_runs(plan: Plan, arms: set | None = None) -> list:
+    """The tuning stage's runs (:func:`tuning_plan`), each named by the arm it tunes
+    (``fedavg`` for the grid point ``fedavg+1``), so their measured paces price that arm's
+    final runs; only the (sweep, arm) pairs in ``arms`` where given."""
+    tuned = {(sw.name, _tuned_arm(arm, i)): arm for sw in plan.sweeps for arm in sw.arms
+             for i in range(len(grid_points(sw, arm)))}
+    runs = []
+    for s in plan_runs(tuning_plan(plan)):
+        arm = tuned[s.sweep.name, s.arm.name]
+        if arms is None or (s.sweep.name, arm.name) in arms:
+            runs.append(dataclasses.replace(s, arm=dataclasses.replace(s.arm, name=arm.name)))
+    return runs
 
 
 def _score(run_dir: Path, metric: str, last: int, head: Path | None = None

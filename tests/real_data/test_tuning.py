@@ -510,7 +510,7 @@ def test_the_final_stages_deadline_is_priced_by_the_tuning_runs(tmp_path, monkey
     res = run_cli("study", "--plan", str(path), "--out", str(out), "--stage", "tune")
     assert res.returncode == 0, res.stderr[-2000:]
     plan = study.load_plan(path, out)
-    tuning = study.plan_runs(study.tuning_plan(plan))
+    tuning = study.tuning_runs(plan)  # named by their arms, as the CLI passes them
     for spec in tuning:  # as if measured on a GPU: 1 s a round
         summary = spec.run_dir / "summary.json"
         info = json.loads(summary.read_text())
@@ -575,5 +575,30 @@ def test_a_worker_waits_only_for_tuning_that_can_change_its_final_runs(tmp_path,
     finally:
         lock.release()
     # the tuning runs price the final arms by their own names (fedavg+1 -> fedavg)
-    names = {(s.sweep.name, s.arm.name) for s in cli._tuning_runs(plan)}
+    names = {(s.sweep.name, s.arm.name) for s in study.tuning_runs(plan)}
     assert names == {("digits", "fedavg"), ("digits", "frozen")}
+
+
+def test_a_later_machine_takes_the_choice_and_restores_unfinished_final_runs(tmp_path):
+    """The recipe for a tuned plan over several calls: a machine with no tuning runs, given
+    the choice (--choices) and the first machine's --pack-partial archive, restores the
+    unfinished final run, resumes it, and ends with the first machine's metrics."""
+    path = _write(tmp_path)
+    first, later = tmp_path / "first", tmp_path / "later"
+    res = run_cli("study", "--plan", str(path), "--out", str(first))
+    assert res.returncode == 0, res.stderr[-2000:]
+    plan = study.load_plan(path, first)
+    victim = study.plan_runs(study.final_plan(plan, study.choose(plan)))[0]
+    whole = (victim.run_dir / "metrics.csv").read_bytes()
+    (victim.run_dir / "summary.json").unlink()  # as if killed after its last checkpoint
+    archive = tmp_path / "partial.tar.gz"
+    res = run_cli("study", "--plan", str(path), "--out", str(first), "--aggregate-only",
+                  "--no-tables", "--pack-partial", str(archive))
+    assert res.returncode == 0, res.stderr[-2000:]
+    final = ["study", "--plan", str(path), "--out", str(later), "--stage", "final",
+             "--choices", str(first / study.CHOICES_FILE)]
+    res = run_cli(*final, "--restore-partial", str(archive))
+    assert res.returncode == 0 and "restored 1 unfinished runs" in res.stdout, res.stdout
+    res = run_cli(*final, "--slice", victim.key)
+    assert res.returncode == 0 and "resumed 1" in res.stdout, res.stdout + res.stderr
+    assert (later / victim.run_dir.relative_to(first) / "metrics.csv").read_bytes() == whole
