@@ -518,6 +518,8 @@ def _study(argv: list[str]) -> int:
                         personal=tuple(sw.name for sw in full.sweeps if sw.score == "personal"))
                     # FedAvg's gap to each shift's reference, on validation and on test
                     paths += write_difficulty(full, folder, table, runs)
+                    # online freeze rules against the best fixed T0 (plans that run rules)
+                    paths += study.write_rule_regret(plan, runs, folder)
                     if folder != plan.out_dir / "tables":  # the choices the final runs use
                         dest = study.export_choices(full, folder, table)
                         paths.append(dest)

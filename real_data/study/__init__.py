@@ -119,6 +119,7 @@ from real_data.study.runner import (
     run_study,
     shard_groups,
 )
+from real_data.study.rule_report import rule_regret, write_rule_regret
 from real_data.study.tables import (
     LAST_ROUNDS,
     SCORE_LAST,
@@ -157,6 +158,8 @@ _status = run_status
 _group_cost = group_cost
 
 __all__ = [
+    "rule_regret",
+    "write_rule_regret",
     "BEST_RULE",
     "CHOICES_FILE",
     "bias_drift",

@@ -108,6 +108,7 @@ def run_row(run_dir: Path) -> dict | None:
         "decided_T0": float((summary.get("warmup") or {}).get("warmup_rounds", np.nan)
                             if (summary.get("warmup") or {}).get("warmup_rounds") is not None
                             else np.nan),
+        **_warmup_costs(summary),
     }
     # the personalized score: every client's own model on its own test (validation) samples
     # at the last round, after eval.finetune's local round where the run fine-tunes (made once,
@@ -121,6 +122,27 @@ def run_row(run_dir: Path) -> dict | None:
                     "personal_val_score"):
             row[key] = float("nan")
     return row
+
+
+def _warmup_costs(summary: dict) -> dict:
+    """What deciding T0 cost a run, from its ``summary.json``: ``rounds`` (the horizon T),
+    ``fired`` (1.0 when an online rule or the probe estimator froze before T, 0.0 when it
+    never did, NaN for a fixed T0), ``rule_seconds`` (the rule's or the probes' own wall time),
+    ``rule_state_bytes`` (the state the rule keeps) and ``compute_ratio`` (the training rounds
+    computed, probes included, over T: 1 for a run that trains each round once)."""
+    warm = summary.get("warmup") or {}
+    rounds = float(summary.get("rounds_planned", np.nan))
+    fired = np.nan
+    if warm.get("fired_at") is not None:
+        fired = 0.0 if warm["fired_at"] == "never" else 1.0
+    elif warm.get("rule") == "auto" and warm.get("warmup_rounds") is not None:
+        fired = float(warm["warmup_rounds"] < rounds)
+    computed = warm.get("rounds_computed") or {}
+    return {"rounds": rounds, "fired": fired,
+            "rule_seconds": float(warm.get("rule_seconds", warm.get("probe_seconds", np.nan))),
+            "rule_state_bytes": float(warm.get("rule_state_bytes", np.nan)),
+            "compute_ratio": float(computed.get("fedavg_equivalent", 1.0)),
+            "wall_time_s": float(summary.get("wall_time_s", np.nan))}
 
 
 def _own_run(spec) -> bool:
