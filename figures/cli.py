@@ -25,7 +25,7 @@ from figures.common import FigureError
 MODULES = {1: "fig1_bias_drift", 2: "fig2_final_error", 3: "fig3_optimal_warmup",
            4: "fig4_frozen_floor", 5: "fig5_bound", 6: "fig6_gradient_jumps",
            7: "fig7_real_data", 8: "fig8_partitions", 9: "fig9_schedules",
-           10: "fig10_shift_map"}
+           10: "fig10_shift_map", 11: "fig11_freeze_timing"}
 SIMULATED = (1, 2, 3, 4, 5, 6)  # the figures drawn from the validation result
 
 
@@ -44,7 +44,9 @@ DESCRIPTIONS = {
               "versus T0, 3 optimal warm-up versus heterogeneity, K and lr, 4 frozen-stage "
               "floor, 5 stylized bound versus measured error, 6 gradient-norm jumps, 7 real "
               "data (needs --real-data), 8 partitions, 9 step-size decay and freezing, 10 "
-              "where freezing pays (covariate shift x teacher heterogeneity).",
+              "where freezing pays (covariate shift x teacher heterogeneity), 11 when to freeze on "
+              "real data: accuracy against T0 with each online rule's choice (needs "
+              "--real-data: a freeze-rule study's export folder).",
 }
 
 
@@ -57,7 +59,8 @@ def _parser(command: str) -> argparse.ArgumentParser:
     top.add_argument("--out", type=Path, default=None, metavar="DIR",
                      help="output folder (default: figures/out under the current directory)")
     top.add_argument("--real-data", type=Path, default=None, metavar="RUNS_DIR",
-                     help="folder of real-data run directories (a study's out_dir): figure 7")
+                     help="folder of real-data run directories (a study's out_dir): figure 7; "
+                          "figure 11: a freeze-rule study's export folder or out_dir")
     top.add_argument("--threads", type=int, default=2, metavar="N",
                      help="torch threads (default 2)")
     top.add_argument("--cache", type=Path, default=None, metavar="DIR",
@@ -67,7 +70,7 @@ def _parser(command: str) -> argparse.ArgumentParser:
 
 def _draw(number: int, result, grid, out_dir, cache_dir, real_data):
     module = importlib.import_module(f"figures.{MODULES[number]}")
-    if number == 7:
+    if number in (7, 11):
         return module.make(real_data, out_dir)
     if number == 8:
         return module.make(out_dir)
@@ -139,6 +142,9 @@ def figure(args) -> int:
 
     if args.number == 7 and args.real_data is None:
         raise FigureError("figure 7 reads run directories: give --real-data RUNS_DIR")
+    if args.number == 11 and args.real_data is None:
+        raise FigureError("figure 11 reads a freeze-rule study's tables: give --real-data DIR "
+                          "(e.g. docs/study/freeze_rules)")
     set_threads(args.threads)
     grid = grid_for(args.quick)
     cache_dir = cache_dir_for(args.out, args.cache)

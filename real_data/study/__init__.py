@@ -107,6 +107,7 @@ from real_data.study.profile_tables import (
     profile_plan,
     write_kernel_profile,
 )
+from real_data.study.rule_report import rule_regret, write_rule_regret
 from real_data.study.runner import (
     FINAL,
     batch_cost,
@@ -119,7 +120,6 @@ from real_data.study.runner import (
     run_study,
     shard_groups,
 )
-from real_data.study.rule_report import rule_regret, write_rule_regret
 from real_data.study.tables import (
     LAST_ROUNDS,
     SCORE_LAST,
