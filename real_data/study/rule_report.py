@@ -4,11 +4,15 @@ A plan that runs online freeze rules (arms with ``algorithm.warmup=<rule>`` or `
 a fixed-T0 arm (``warmup_rounds``, its T0 chosen on the validation split by the tuning stage)
 and FedAvg (never freezing, T0 = T) is read per setting (sweep and alpha), paired by seed:
 
-- the **target** is the best fixed T0 of the grid, never freezing included: the tuning stage's
-  choice among the grid's T0 values, or T where FedAvg's mean validation score over the final
-  seeds is at least the chosen T0's (validation only; the test set decides nothing);
+- the **target** is the best fixed T0 of the grid, never freezing included, by mean validation
+  score over the final seeds every candidate finished (ties go to never freezing; the test
+  set decides nothing): in a tuned plan the candidates are the tuning stage's choice among the
+  grid's T0 values (tuning seed) and T; in a plan whose fixed arm runs its whole grid on the
+  final seeds, every grid T0 and T. A diverged candidate has no score and is not the target;
 - a method's **regret** is the target's test score minus its own, per seed, in points (mean and
-  95% t interval; positive: the method lost to the best fixed T0);
+  95% t interval over the seeds both finished; positive: the method lost to the best fixed
+  T0). FedAvg's and the fixed arm's rows are references: the one that is the target has
+  regret 0 by construction;
 - its difference to FedAvg and the verdict are :func:`~real_data.study.tables.compare`'s
   (win / loss where the interval excludes 0, tie by two one-sided tests within 1 point);
 - its **overhead**: the training rounds computed over T (the probe estimator's freeze-now forks
@@ -101,27 +105,44 @@ def rule_regret(plan: Plan, runs: list[dict], seeds: tuple[int, ...] | None = No
             "summary": [_summary(name, common) for name in methods]}
 
 
+def _mean_val(runs: dict, seeds: list[int]) -> float:
+    """Mean validation score over ``seeds``; NaN where a run diverged (no score)."""
+    vals = [runs[s]["val_score"] for s in seeds]
+    return float(np.mean(vals)) if vals and np.all(np.isfinite(vals)) else float("nan")
+
+
 def _setting(sweep, alpha, cell, fixed, rules, need, verdicts) -> dict:
     fedavg = {r["seed"]: r for r in cell if r["arm"] == AGAINST and r["warmup_rounds"] is None}
-    fixed_runs = {r["seed"]: r for r in cell if fixed is not None and r["arm"] == fixed}
-    t0s = {r["warmup_rounds"] for r in fixed_runs.values()}
-    chosen_t0 = next(iter(t0s)) if len(t0s) == 1 else None
+    by_t0: dict[int, dict[int, dict]] = {}  # the fixed arm's runs by T0 (one T0 once tuned)
+    for r in cell:
+        if fixed is not None and r["arm"] == fixed:
+            by_t0.setdefault(r["warmup_rounds"], {})[r["seed"]] = r
     horizon = next((int(r["rounds"]) for r in cell if _finite(r.get("rounds"))), None)
-    # the target: the chosen grid T0, or never freezing where FedAvg validates at least as well
-    both = sorted(set(fedavg) & set(fixed_runs))
-    val_fixed = [fixed_runs[s]["val_score"] for s in both]
-    val_avg = [fedavg[s]["val_score"] for s in both]
+    # the target: the fixed T0 or never freezing with the best mean validation score over the
+    # seeds every candidate finished (ties go to never freezing); a diverged candidate has no
+    # score and cannot be the target
+    common = set(fedavg)
+    for runs in by_t0.values():
+        common &= set(runs)
+    both = sorted(common) if by_t0 else []
+    val_t0 = {t0: _mean_val(runs, both) for t0, runs in by_t0.items()}
+    finite = {t0: v for t0, v in val_t0.items() if np.isfinite(v)}
+    chosen_t0 = max(finite, key=lambda t0: (finite[t0], -t0)) if finite else None
+    val_avg = _mean_val(fedavg, both)
+    fixed_runs = by_t0.get(chosen_t0, {})
     target_arm, target_t0 = fixed, chosen_t0
-    if both and np.all(np.isfinite(val_avg)) and np.all(np.isfinite(val_fixed)) \
-            and np.mean(val_avg) >= np.mean(val_fixed):
+    if np.isfinite(val_avg) and (chosen_t0 is None or val_avg >= finite[chosen_t0]):
         target_arm, target_t0 = AGAINST, horizon
     target = fedavg if target_arm == AGAINST else fixed_runs
     out = {"sweep": sweep, "alpha": alpha, "rounds": horizon, "chosen_grid_t0": chosen_t0,
-           "val_score_chosen_t0": float(np.mean(val_fixed)) if both else None,
-           "val_score_fedavg": float(np.mean(val_avg)) if both else None,
+           "val_score_chosen_t0": None if chosen_t0 is None else finite[chosen_t0],
+           "val_score_fedavg": val_avg if np.isfinite(val_avg) else None,
+           "val_score_by_t0": {str(t0): (v if np.isfinite(v) else None)
+                               for t0, v in sorted(val_t0.items())},
            "target": target_arm, "target_t0": target_t0,
            "best_is_never": target_arm == AGAINST, "methods": []}
-    if not both:  # no seed has both the fixed T0's and FedAvg's run yet: nothing to score
+    if not both or (chosen_t0 is None and not np.isfinite(val_avg)):
+        # no seed has every candidate's run yet (or all diverged): nothing to score against
         out.update(target=None, target_t0=None, best_is_never=None)
         return out
     for name in [AGAINST, *([fixed] if fixed else []), *rules]:

@@ -129,3 +129,26 @@ def test_a_setting_without_its_target_runs_is_listed_unscored(plan):
     assert st["target"] is None and st["methods"] == []
     assert rep["incomplete_settings"] == [["mnist", 0.1]] and rep["summary"] == []
     assert "mnist, alpha 0.1: no target yet" in "\n".join(report_lines(rep))
+
+
+def test_a_diverged_fixed_arm_leaves_never_freezing_as_the_target(plan):
+    runs = _setting("fmnist_softmax", 0.3, 0.70, 0.75)
+    for r in runs:
+        if r["arm"] == "fedfrozen_fixed" and r["seed"] == 1:
+            r.update(score=math.nan, val_score=math.nan, status="diverged")
+    (st,) = study.rule_regret(plan, runs)["settings"]
+    assert (st["target"], st["target_t0"], st["chosen_grid_t0"]) == ("fedavg", 200, None)
+    m = {x["method"]: x for x in st["methods"]}
+    assert m["plateau"]["regret_pts"] == pytest.approx(4.0, abs=1e-9)
+
+
+def test_an_untuned_grid_is_chosen_on_the_final_seeds_validation(plan):
+    """A fixed arm that ran T0 = 40 and 80 on the final seeds: the target is the T0 (or T)
+    with the best mean validation score, whatever the test scores say."""
+    runs = _setting("fmnist_softmax", 0.3, 0.70, 0.75)
+    runs += [dict(r, warmup_rounds=40, score=0.90, val_score=0.74) for r in runs
+             if r["arm"] == "fedfrozen_fixed"]
+    (st,) = study.rule_regret(plan, runs)["settings"]
+    assert (st["target"], st["target_t0"]) == ("fedfrozen_fixed", 80)
+    assert st["val_score_by_t0"] == {"40": pytest.approx(0.74), "80": pytest.approx(0.75)}
+    assert {x["method"]: x for x in st["methods"]}["fedfrozen_fixed"]["t0_per_seed"] == [80] * 3
