@@ -4,7 +4,8 @@
     linattn figure N [--quick] [--out DIR] [--real-data RUNS_DIR] [--threads N] [--cache DIR]
 
 ``reproduce`` runs the theory and simulation checks P1-P6 (``simulations.validate``), draws
-figures 1-6 and 8-10 (and 7 with ``--real-data``) into DIR (default ``figures/out/`` under the
+figures 1-6 and 8-10 (and 7 with ``--real-data``, and 11 where that folder holds a freeze-rule
+study's ``rule_regret.json``) into DIR (default ``figures/out/`` under the
 current directory) and writes DIR/report.md with every prediction, its criterion, the numbers
 and PASS or FAIL. Intermediate results are cached in DIR/.cache, so a second call redraws in
 seconds. It needs no GPU and no download. The router (``linattn/cli.py``) passes argv with
@@ -36,7 +37,8 @@ class _Parser(argparse.ArgumentParser):
 
 DESCRIPTIONS = {
     "reproduce": "The main job: run the theory and simulation checks P1-P6, draw figures 1-6 "
-                 "and 8-10 (and 7 from existing real-data runs with --real-data), and write "
+                 "and 8-10 (and 7 from existing real-data runs with --real-data, 11 where that "
+                 "folder holds a freeze-rule report), and write "
                  "OUT/report.md with every prediction, its criterion, the numbers and PASS or "
                  "FAIL. Intermediate results are cached, so a second call redraws in seconds. "
                  "No GPU and no download needed.",
@@ -118,6 +120,10 @@ def reproduce(args, command: str) -> int:
     steps[-1]["cache"] = "yes" if hit else "no"
     print(f"  {steps[-1]['seconds']:.1f} s ({'cached' if hit else 'computed'})", flush=True)
     numbers = [*SIMULATED, 8, 9, 10] + ([7] if args.real_data is not None else [])
+    if args.real_data is not None:  # figure 11 where the folder holds a freeze-rule report
+        from figures.fig11_freeze_timing import has_report
+
+        numbers += [11] if has_report(args.real_data) else []
     figures = []
     for number in numbers:
         fig = step(f"figure {number} ({MODULES[number]})",

@@ -36,6 +36,11 @@ def _find(folder: Path, name: str) -> Path | None:
     return None
 
 
+def has_report(folder: Path) -> bool:
+    """``folder`` (or its ``tables/``) holds a freeze-rule report to draw."""
+    return Path(folder).is_dir() and _find(Path(folder), "rule_regret.json") is not None
+
+
 def load(folder: Path) -> tuple[dict, dict | None]:
     """(the rule report, the tuning choices or None) of a study's export folder or out_dir."""
     folder = Path(folder)
