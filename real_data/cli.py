@@ -286,6 +286,11 @@ def _study(argv: list[str]) -> int:
                     help="with --pace-from: where PLAN's runs are not here, the per-run table "
                     "its --export wrote (e.g. docs/study/fair/study_per_run.csv) gives the "
                     "measured GPU paces")
+    ap.add_argument("--pace-workers", type=int, metavar="N", default=1,
+                    help="with --estimate: worker processes that shared each GPU in the "
+                    "measured runs that do not record it (summary.json device.workers; "
+                    "scripts/gpu_study.sh's WORKERS_PER_GPU); their wall pace over N is the "
+                    "GPU's (default 1)")
     ap.add_argument("--no-stack", action="store_true",
                     help="train run groups one after another instead of stacking them "
                     "(stacked groups share each round's engine call; same results up to "
@@ -340,6 +345,11 @@ def _study(argv: list[str]) -> int:
         return _study_profile(args, full, shard)
     if args.pace_from is not None and not args.estimate:
         raise UserError("--pace-from: only with --estimate")
+    if args.pace_workers != 1 and not args.estimate:
+        raise UserError("--pace-workers: only with --estimate")
+    if args.pace_workers < 1:
+        raise UserError(f"--pace-workers={args.pace_workers}: worker processes per GPU, an "
+                        "integer >= 1")
     if args.pace_table is not None and args.pace_from is None:
         raise UserError("--pace-table: only with --pace-from PLAN (the plan that wrote it)")
     if args.pace_table is not None:  # read now, so a wrong file is named before any pricing
@@ -454,7 +464,8 @@ def _study(argv: list[str]) -> int:
         stage_plans.append(plan)
         if args.estimate:
             rows = study.estimate(plan, slices, None if args.pace_from is None else
-                                  study.load_plan(args.pace_from), args.pace_table)
+                                  study.load_plan(args.pace_from), args.pace_table,
+                                  device_share=args.pace_workers)
             label = "" if stage == "plain" else f" ({stage})"
             print(f"study{label}: what is left, per sweep")
             for r in rows:

@@ -222,11 +222,31 @@ def code_version() -> str:
         return "unknown"
 
 
+DEVICE_WORKERS_ENV = "LINATTN_DEVICE_WORKERS"
+"""Worker processes that share this process's device (``scripts/gpu_study.sh`` sets it to its
+workers per GPU): a run's wall time per round is then that share of the device, so its device
+seconds are the wall seconds over this count (:func:`device_workers`)."""
+
+
+def device_workers() -> int:
+    """The processes sharing this device (``LINATTN_DEVICE_WORKERS``, default 1)."""
+    raw = os.environ.get(DEVICE_WORKERS_ENV, "1")
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise UserError(f"{DEVICE_WORKERS_ENV}={raw!r}: the number of worker processes that "
+                        "share this device, an integer >= 1 (unset it for one)")
+    return value
+
+
 def provenance(device: torch.device) -> dict:
-    """Code version, library versions and device description."""
+    """Code version, library versions and device description (with ``workers``: the
+    processes that shared the device, :func:`device_workers`)."""
     import numpy
 
-    dev = {"type": device.type}
+    dev = {"type": device.type, "workers": device_workers()}
     if device.type == "cuda":
         dev["name"] = torch.cuda.get_device_name(device)
     else:

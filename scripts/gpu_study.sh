@@ -20,7 +20,9 @@
 # Packing takes time after SECONDS (tens of seconds for large partial groups): a caller's own
 # time limit needs that margin.
 # Each worker (--shard k/n) takes the machine's cores divided by the n workers as its CPU
-# threads (`linattn study --threads`); OMP_NUM_THREADS, when set, decides instead.
+# threads (`linattn study --threads`); OMP_NUM_THREADS, when set, decides instead. Each
+# worker's runs record WORKERS_PER_GPU as the processes that shared their GPU
+# (LINATTN_DEVICE_WORKERS, summary.json device.workers), so `--estimate` prices GPU seconds.
 # Usage: bash scripts/gpu_study.sh PLAN SECONDS WORKERS_PER_GPU OUTDIR [study options]
 # The study options (--stage, --slice, --choices, ...) select what the workers train and what is
 # listed, packed and marked at the end: `--stage final --slice 'sweep/*/alpha=0.1/*'` packs that
@@ -72,7 +74,7 @@ if [ "$left" -le 30 ]; then echo "no time left for workers after pretraining"; w
 launch=$(date +%s)  # what finished before this is what every worker counts as finished
 wpids=()
 for ((k = 0; k < workers; k++)); do
-  CUDA_VISIBLE_DEVICES=$((k % ngpu)) timeout -s KILL "$left" \
+  CUDA_VISIBLE_DEVICES=$((k % ngpu)) LINATTN_DEVICE_WORKERS=$per_gpu timeout -s KILL "$left" \
     python -m linattn study --plan "$plan" --shard "$k/$workers" --pending-before "$launch" \
     --deadline "$((left - 20))" \
     --no-tables "$@" > "$out/logs/worker_$k.log" 2>&1 &

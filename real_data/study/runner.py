@@ -143,13 +143,19 @@ def batch_cost(batch: list[list[RunSpec]], pace: dict | None = None,
     return sum(group_cost(family, pace, skip, resumed) for family in batch)
 
 
-def measured_pace(specs: list[RunSpec], before: float | None = None) -> dict:
+def measured_pace(specs: list[RunSpec], before: float | None = None,
+                  device_share: int | None = None) -> dict:
     """Median GPU seconds per round of the completed runs, by (sweep, arm) and by sweep; overall
     (``"*"``), the median per unit of :func:`_local_work` (so a sweep not run yet, at another
     K, is priced by its own local work); and each arm's median ratio to its sweep's median
     (``("*", arm)``, for an arm not yet run in some sweep); the median pace per unit of local
     work of the sweeps of each attention kind relative to the overall one (``("*attention",
-    kind)``, for a sweep not run yet); empty when none ran on a GPU. CPU runs are left out."""
+    kind)``, for a sweep not run yet); empty when none ran on a GPU. CPU runs are left out.
+
+    By default a pace is a run's wall seconds per round, what a worker sharing the GPU as the
+    run did sees (``--deadline``). With ``device_share``, it is the GPU's seconds per round:
+    the wall pace over the worker processes that shared the GPU (the run's recorded
+    ``device.workers``; ``device_share`` for a run that does not record it)."""
     measured = []
     for s in specs:
         if not _finished_before(s.run_dir, before):
@@ -159,18 +165,20 @@ def measured_pace(specs: list[RunSpec], before: float | None = None) -> dict:
         if info.get("status") != "completed" or not sec or \
                 info.get("device", {}).get("type") != "cuda":
             continue
-        measured.append((s, float(sec)))
+        share = 1 if device_share is None else info["device"].get("workers", device_share)
+        measured.append((s, float(sec) / share))
     return _pace(measured)
 
 
-def exported_pace(plan: Plan, table: Path) -> dict:
+def exported_pace(plan: Plan, table: Path, device_share: int | None = None) -> dict:
     """:func:`measured_pace` from a study's exported per-run table (``study_per_run.csv`` of
     its ``--export`` folder, one row per run: ``sweep``, ``arm``, ``seconds_per_round``,
     ``status``, ``device_type`` or, in a table without that column, ``device`` naming a CUDA
     card: ``NVIDIA ...``), so a fresh clone prices with the GPU paces a study measured and
     published. ``plan`` is the study that wrote the table (its sweeps' local work); rows of
-    sweeps or arms it does not have are left out. Raises ``DataError`` naming the file for
-    a missing file or column."""
+    sweeps or arms it does not have are left out. ``device_share``: GPU seconds, as
+    :func:`measured_pace` (the column ``device_workers``, else ``device_share``). Raises
+    ``DataError`` naming the file for a missing file or column."""
     table = Path(table)
     try:
         with open(table, newline="", encoding="utf-8") as f:
@@ -194,11 +202,16 @@ def exported_pace(plan: Plan, table: Path) -> dict:
                (r.get("device") or "").startswith("NVIDIA"))
         try:
             sec = float(r.get("seconds_per_round") or "nan")
+            share = float(r.get("device_workers") or "nan")
         except ValueError:
             continue
+        if device_share is None:
+            share = 1.0
+        elif not (math.isfinite(share) and share >= 1):  # not recorded
+            share = float(device_share)
         if (spec is not None and gpu and r.get("status") == "completed"
                 and math.isfinite(sec) and sec > 0):
-            measured.append((spec, sec))
+            measured.append((spec, sec / share))
     return _pace(measured)
 
 
@@ -415,7 +428,8 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
 
 
 def estimate(plan: Plan, pattern: str | list[str] | None = None,
-             pace_plan: Plan | None = None, pace_table: Path | None = None) -> list[dict]:
+             pace_plan: Plan | None = None, pace_table: Path | None = None,
+             device_share: int = 1) -> list[dict]:
     """What the selection still costs, per sweep: runs not finished, the run-rounds they train
     (a T0 family's head all its rounds, each branch the rounds after its T0) and the GPU
     seconds at the pace measured in the plan's finished GPU runs (:func:`measured_pace`; a
@@ -424,16 +438,19 @@ def estimate(plan: Plan, pattern: str | list[str] | None = None,
     runs together; the measured pace is its per-run share). ``pace_plan``: where this plan
     has no finished GPU run, the overall pace per unit of local work (and the arms' ratios)
     measured in that plan's runs prices every sweep; ``pace_table``: that plan's exported
-    per-run table (:func:`exported_pace`) where its runs are not here."""
+    per-run table (:func:`exported_pace`) where its runs are not here. GPU seconds are the
+    GPU's share: a run that trained beside other workers on its GPU counts its wall time over
+    their number (``device.workers`` of its summary; ``device_share`` where it is not
+    recorded)."""
     patterns = [pattern] if isinstance(pattern, str) else list(pattern or [])
     specs = [s for s in plan_runs(plan)
              if not patterns or any(fnmatch.fnmatch(s.key, p) for p in patterns)]
-    pace = measured_pace(plan_runs(plan))
+    pace = measured_pace(plan_runs(plan), device_share=device_share)
     borrowed = False
     if not pace and pace_plan is not None:
-        other = measured_pace(plan_runs(pace_plan))
+        other = measured_pace(plan_runs(pace_plan), device_share=device_share)
         if not other and pace_table is not None:
-            other = exported_pace(pace_plan, pace_table)
+            other = exported_pace(pace_plan, pace_table, device_share)
         pace = {k: v for k, v in other.items() if k == "*" or (isinstance(k, tuple)
                                                               and k[0] in ("*", "*attention"))}
         borrowed = bool(pace)

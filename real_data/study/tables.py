@@ -102,6 +102,8 @@ def run_row(run_dir: Path) -> dict | None:
         "seconds_per_round": float(summary.get("seconds_per_round", np.nan)),
         "device": summary.get("device", {}).get("name", ""),
         "device_type": summary.get("device", {}).get("type", ""),
+        # worker processes that shared the device (NaN where the run did not record it)
+        "device_workers": float(summary.get("device", {}).get("workers", np.nan)),
         "status": status,
         # the T0 a run decided itself (warmup=auto or an online freeze rule; T where it never
         # froze), NaN for a fixed T0 or no warm-up

@@ -7,6 +7,7 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 import yaml
 from conftest import run_cli
 
@@ -683,3 +684,50 @@ def test_a_stacked_batch_costs_every_family_it_holds(tmp_path):
     assert study.batch_cost(batch) == pytest.approx(2 * (3 + 3) * work)
     assert study._group_cost([m for f in batch for m in f]) == pytest.approx((3 + 3 + 1 + 3)
                                                                              * work)
+
+
+def test_gpu_seconds_count_a_shared_gpu_once(tmp_path, monkeypatch):
+    """A run trained beside another worker on its GPU records it (device.workers): its wall
+    pace is what a worker sharing the GPU sees (--deadline), and half of it is the GPU's
+    (--estimate); a run that records nothing takes --pace-workers."""
+    from real_data import rundir
+
+    data = yaml.safe_load(yaml.safe_dump(PLAN))
+    data["seeds"] = [0, 1, 2]
+    data["sweeps"][0]["arms"] = data["sweeps"][0]["arms"][:1]
+    plan = _plan(tmp_path, data)
+    specs = study.plan_runs(plan)
+    for spec, info in zip(specs[:2], ({"type": "cuda", "workers": 2}, {"type": "cuda"})):
+        spec.run_dir.mkdir(parents=True)
+        (spec.run_dir / "summary.json").write_text(json.dumps(
+            {"status": "completed", "device": info, "seconds_per_round": 4.0}))
+    wall = runner.measured_pace(specs)
+    assert wall[(specs[0].sweep.name, specs[0].arm.name)] == pytest.approx(4.0)
+    shared = runner.measured_pace(specs, device_share=1)
+    assert shared[(specs[0].sweep.name, specs[0].arm.name)] == pytest.approx(3.0)  # (2 + 4) / 2
+    assert runner.measured_pace(specs, device_share=2)[
+        (specs[0].sweep.name, specs[0].arm.name)] == pytest.approx(2.0)
+    (row,) = study.estimate(plan, device_share=2)
+    assert row["runs"] == 1 and row["gpu_seconds"] == pytest.approx(2.0 * row["run_rounds"])
+    # the exported table: its device_workers column, else the default share
+    table = tmp_path / "per_run.csv"
+    table.write_text("sweep,arm,seconds_per_round,status,device_type,device_workers\n"
+                     f"{specs[0].sweep.name},{specs[0].arm.name},4.0,completed,cuda,2\n"
+                     f"{specs[0].sweep.name},{specs[0].arm.name},4.0,completed,cuda,\n")
+    key = (specs[0].sweep.name, specs[0].arm.name)
+    assert study.exported_pace(plan, table)[key] == pytest.approx(4.0)
+    assert study.exported_pace(plan, table, 1)[key] == pytest.approx(3.0)
+    assert study.exported_pace(plan, table, 4)[key] == pytest.approx(1.5)  # (2 + 1) / 2
+    # the env variable the GPU script sets, recorded in every run's provenance
+    monkeypatch.setenv(rundir.DEVICE_WORKERS_ENV, "3")
+    assert rundir.provenance(torch.device("cpu"))["device"]["workers"] == 3
+    monkeypatch.setenv(rundir.DEVICE_WORKERS_ENV, "0")
+    with pytest.raises(UserError, match="LINATTN_DEVICE_WORKERS='0'"):
+        rundir.device_workers()
+    monkeypatch.delenv(rundir.DEVICE_WORKERS_ENV)
+    res = run_cli("study", "--plan", str(tmp_path / "plan.yaml"), "--out", str(tmp_path / "o"),
+                  "--pace-workers", "2")
+    assert res.returncode == 2 and "--pace-workers: only with --estimate" in res.stderr
+    res = run_cli("study", "--plan", str(tmp_path / "plan.yaml"), "--out", str(tmp_path / "o"),
+                  "--estimate", "--pace-workers", "0")
+    assert res.returncode == 2 and "--pace-workers=0" in res.stderr
