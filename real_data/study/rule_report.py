@@ -222,6 +222,12 @@ def _summary(name: str, settings: list[dict]) -> dict:
             "median_regret_pts": float(np.median(regrets)) if regrets else None,
             "max_regret_pts": float(np.max(regrets)) if regrets else None,
             **({} if name == AGAINST else counts),
+            # the recommender's real-data criteria: within 1 point of the target, and never
+            # more than 1 point below FedAvg (mean over seeds, per setting)
+            "within_1pt_of_target": sum(r <= 1.0 for r in regrets),
+            "more_than_1pt_below_fedavg": (None if name == AGAINST else sum(
+                m["diff_fedavg_pts"] is not None and m["diff_fedavg_pts"] < -1.0
+                for _, m in rows)),
             "refrain_settings": len(never), "refrain_rate": share(never, True),
             "fire_settings": len(freeze), "fire_rate": share(freeze, False),
             "compute_ratio": _mean([m["compute_ratio"] for _, m in rows])}
@@ -253,9 +259,10 @@ def report_lines(report: dict) -> list[str]:
         + ("; left out, unfinished: " + ", ".join(
             f"{sw} {'natural' if a is None else a}" for sw, a in report["incomplete_settings"])
            if report["incomplete_settings"] else "") + "):", "",
-        "| method | settings | mean regret | median | max | win / tie / loss / inconclusive vs "
-        "FedAvg | refrains where best is T | fires where best T0 < T | compute |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
+        "| method | settings | mean regret | median | max | within 1 pt of target | > 1 pt below "
+        "FedAvg | win / tie / loss / inconclusive vs FedAvg | refrains where best is T | fires "
+        "where best T0 < T | compute |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for s in sorted(report["summary"], key=lambda s: (s["mean_regret_pts"] is None,
                                                       s["mean_regret_pts"] or 0)):
         wtl = ("-" if s["method"] == AGAINST else
@@ -265,8 +272,10 @@ def report_lines(report: dict) -> list[str]:
         fire = ("-" if s["fire_rate"] is None else
                 f"{_rate(s['fire_rate'])} of {s['fire_settings']}")
         comp = "-" if s["compute_ratio"] is None else f"{s['compute_ratio']:.2f}"
+        below = "-" if s["more_than_1pt_below_fedavg"] is None else s["more_than_1pt_below_fedavg"]
         lines.append(f"| {s['method']} | {s['settings']} | {_pts(s['mean_regret_pts'])} | "
-                     f"{_pts(s['median_regret_pts'])} | {_pts(s['max_regret_pts'])} | {wtl} | "
+                     f"{_pts(s['median_regret_pts'])} | {_pts(s['max_regret_pts'])} | "
+                     f"{s['within_1pt_of_target']} | {below} | {wtl} | "
                      f"{refrain} | {fire} | {comp} |")
     for st in report["settings"]:
         alpha = "natural" if st["alpha"] is None else st["alpha"]

@@ -97,6 +97,11 @@ def test_target_regret_verdicts_and_rates(plan):
     assert summary["plateau"]["fire_rate"] == 1.0 and summary["auto"]["fire_rate"] == 0.0
     # auto never freezes, so it trains as FedAvg does: identical, counted as a tie, twice
     assert summary["plateau"]["loss"] == 2 and summary["auto"]["tie"] == 2
+    # auto: regret 0 (alpha 0.1) and 2 points (alpha 0.3); never below FedAvg
+    assert summary["auto"]["within_1pt_of_target"] == 1
+    assert summary["auto"]["more_than_1pt_below_fedavg"] == 0
+    assert summary["plateau"]["more_than_1pt_below_fedavg"] == 2
+    assert summary["fedavg"]["more_than_1pt_below_fedavg"] is None
     assert rep["summary_settings"] == [["fmnist_softmax", 0.1], ["fmnist_softmax", 0.3]]
 
 
