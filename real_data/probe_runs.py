@@ -38,8 +38,10 @@ feeding it the recorded curves again. ``summary.json``'s ``warmup`` holds the de
 probe's curve (so the selection replays offline) and the rounds computed;
 ``curves_probe.png`` plots the predictions (``run.plot``).
 
-A forking run trains alone, in one process: a stacked group (:mod:`real_data.stacked_runs`)
-refuses it, a study trains it outside its stacks, and ``--distributed`` and Flower refuse it.
+A forking run trains in one process: alone, or in a stacked group
+(:mod:`real_data.stacked_runs`), whose forking runs probe together at the rounds they share
+(:func:`probe_together`: probe round s of every run's continuation in one engine call);
+``--distributed`` and Flower refuse it.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
+from linattn.errors import UserError
 from linattn_theory.probe import ProbeChoice, ProbeSelector, smoothed
 from real_data import rundir
 from real_data.checkpoint import load_checkpoint, restore_rng_states, save_checkpoint
@@ -121,9 +124,20 @@ class ProbeDriver:
             rundir.drop_rows(self.run_dir / "metrics.csv", state.round, PROBE_METRICS)
 
     # -- per round ----------------------------------------------------------------------------
-    def before_round(self, state: FedState) -> FedState:
+    def probe_due(self, state: FedState) -> bool:
+        """A probe continuation forks from ``state`` before its next round."""
+        if state.server_state.warmup_rounds is not None:
+            return False
+        rec = self.record(state)
+        return (rec["stopped_at"] is None and self.is_probe_round(state.round)
+                and state.round not in rec["snapshots"])
+
+    def before_round(self, state: FedState,
+                     probed: tuple[list[float], float] | None = None) -> FedState:
         """Probe at ``state.round`` if it is a snapshot round, decide T0 when the selector
-        stops or the run reaches T, and roll back; returns the state the run continues from."""
+        stops or the run reaches T, and roll back; returns the state the run continues from.
+        ``probed``: the probe's curve and seconds, computed beside other runs' probes
+        (:func:`probe_together`), in place of this run's own probe."""
         ss = state.server_state
         if ss.warmup_rounds is not None:
             if not self._pruned:  # a run resumed after its decision: no snapshot is needed
@@ -136,7 +150,11 @@ class ProbeDriver:
                 start = time.perf_counter()
                 save_checkpoint(snapshot_path(self.run_dir, t), state,
                                 {"elapsed": self.log.elapsed})
-                curve = self.probe(state)
+                if probed is None:
+                    curve = self.probe(state)
+                else:
+                    curve, seconds = probed
+                    start -= seconds
                 rec["snapshots"].append(t)
                 rec["curves"].append(curve)
                 sel, stop = self.selector(rec)
@@ -183,6 +201,12 @@ class ProbeDriver:
         return FedState(state.round, dict(state.global_params),
                         copy.deepcopy(state.client_state), ss, state.prev_grad_norm_last,
                         copy.deepcopy(state.plateau))
+
+    def fork_work(self, fork: FedState, s: int, start: int):
+        """Probe round ``s`` of the continuation forked at round ``start``: its round index
+        (the lr of round min(start + s, T)) and its planned work on the common draws."""
+        rnd = min(start + s, self.total)
+        return rnd, self.fed.begin_round(fork, rnd, draws=self.draws()[s - 1])
 
     def fork_round(self, fork: FedState, rnd: int, draws: RoundDraws) -> FedState:
         """One frozen round of a probe continuation (round ``rnd``'s plan and lr)."""
@@ -281,3 +305,50 @@ class ProbeDriver:
                 path.unlink(missing_ok=True)
         self._pruned = not keep
 
+
+def probe_together(items: list[tuple[ProbeDriver, FedState]], stacked, pad_clients=None
+                   ) -> list[tuple[list[float], float] | Exception]:
+    """The probe continuations of several runs of a stacked group, forked at the same group
+    round: probe round s of every run's continuation in one engine call
+    (:func:`real_data.stacking.train_jobs`, clients of every run on one axis), each run's
+    validation objective after every round. Per run, its curve and its share of the seconds
+    (by clients), or the exception that ended its continuation (a
+    :class:`~real_data.federation.Diverged` server update, or an error of its own); the other
+    runs go on. Each curve is the one :meth:`ProbeDriver.probe` gives alone, up to the
+    summation order of the batched kernels."""
+    start = time.perf_counter()
+    forks = [d.fork(st) for d, st in items]
+    curves = [[d.objective(f.global_params)] for (d, _), f in zip(items, forks)]
+    out: list = [None] * len(items)
+    clients = [0.0] * len(items)
+    for s in range(1, max(d.params.probe_rounds for d, _ in items) + 1):
+        live = [i for i, (d, _) in enumerate(items)
+                if out[i] is None and s <= d.params.probe_rounds]
+        if not live:
+            break
+        works = [(i, *items[i][0].fork_work(forks[i], s, items[i][1].round)) for i in live]
+        trained = probe_step([w.job for _, _, w in works],
+                             [items[i][0].fed.engine for i, _, _ in works], stacked, pad_clients)
+        for (i, rnd, work), res in zip(works, trained):
+            fed = items[i][0].fed
+            fed.model.eval()
+            clients[i] += len(work.ids)
+            try:
+                forks[i] = fed.update_round(forks[i], rnd, work, res)[0]
+                curves[i].append(items[i][0].objective(forks[i].global_params))
+            except UserError:
+                raise  # a bad config or file stops the group
+            except Exception as exc:  # noqa: BLE001 - this run's continuation ends, not others'
+                out[i] = exc
+    seconds = time.perf_counter() - start
+    total = sum(clients) or 1.0
+    return [out[i] if out[i] is not None else (curves[i], seconds * clients[i] / total)
+            for i in range(len(items))]
+
+
+def probe_step(jobs, engines, stacked, pad_clients=None):
+    """One probe round of every continuation in :func:`probe_together` (one engine call where
+    they can share it)."""
+    from real_data.stacking import train_jobs
+
+    return train_jobs(jobs, engines, stacked, pad_clients=pad_clients)

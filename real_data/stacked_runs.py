@@ -14,8 +14,12 @@ written by the same :class:`~real_data.runs.RunLog` as a run trained alone. Per 
    joins the group for the rounds that follow.
 
 A run that forks probe continuations and rolls back (``algorithm.warmup=auto``,
-:func:`trains_alone`) shares no stacked round: :func:`run_group` trains it alone after the
-group, and :func:`plan_groups` gives it a group of its own.
+:mod:`real_data.probe_runs`) trains in the group: before a round, the forking runs that probe
+there fork their continuations and train them together (probe round s of every run in one
+engine call, :func:`~real_data.probe_runs.probe_together`), each then decides and rolls back
+on its own, and a rolled-back run goes on from its T0 beside runs at other rounds (each run's
+round, lr and draws are its own). It closes once its decision at T is made. No T0 branch forks
+from it.
 
 A run's result depends only on its own config, not on the group it trains in (up to the order
 of summation in batched kernels: tests hold stacked and per-run metrics within 1e-6 in float64).
@@ -39,6 +43,7 @@ from linattn.errors import UserError
 from real_data.config import Config
 from real_data.engines import fast
 from real_data.federation import Diverged
+from real_data.probe_runs import ProbeDriver, probe_together
 from real_data.runs import (
     Prepared,
     RoundHook,
@@ -88,16 +93,17 @@ class _Member:
     branches: dict[int, list[Branch]] = field(default_factory=dict)
     running: bool = True
     label: object = None
+    probes: object = None  # a forking run's ProbeDriver (algorithm.warmup=auto)
 
     @property
     def fed(self):
         return self.prep.fed
 
 
-def trains_alone(cfg: Config) -> bool:
+def forks_run(cfg: Config) -> bool:
     """A run that forks probe continuations and rolls back (FedFrozen with
-    ``algorithm.warmup=auto``, :mod:`real_data.probe_runs`) cannot share a stacked round:
-    :func:`run_group` trains it alone, after the group."""
+    ``algorithm.warmup=auto``, :mod:`real_data.probe_runs`): no T0 branch can fork from it,
+    and in a group it carries a fork per probe (:func:`estimate_run_bytes`)."""
     from real_data.algorithms import get_algorithm
 
     return get_algorithm(cfg.algorithm.name).forks_with(cfg.algorithm.params)
@@ -176,13 +182,10 @@ def _run_group(requests, dataset, device, log, on_round_end, on_error, compile
             return FAILED
 
     t_prepare = time.perf_counter()
-    alone = [r for r in requests
-             if trains_alone(r.cfg if r.cfg is not None else _saved_config(r.run_dir))]
-    for r in alone:
-        if r.branches:
+    for r in requests:
+        if r.branches and forks_run(r.cfg if r.cfg is not None else _saved_config(r.run_dir)):
             raise UserError(f"run {r.run_dir}: algorithm.warmup=auto decides its own T0 and "
                             "rolls back, so no T0 branch can fork from it")
-    requests = [r for r in requests if r not in alone]
     members, now = [], []
     for r in requests:
         got = guarded(r.label if r.label is not None else r.run_dir, _member, r, dataset,
@@ -210,6 +213,31 @@ def _run_group(requests, dataset, device, log, on_round_end, on_error, compile
         if m.fed.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(m.fed.device)
     while any(m.running for m in members):
+        # the forking runs' probes due before this round, together; then each decides
+        # (a decision at T, or where its selector stops, may roll it back to its T0)
+        forking = [m for m in members if m.running and m.probes is not None]
+        due = [m for m in forking if m.probes.probe_due(m.prep.state)]
+        # (not padded to the group's clients: a probe round trains only the forking runs')
+        probed = dict(zip(map(id, due), probe_together(
+            [(m.probes, m.prep.state) for m in due], stacked) if due else []))
+        for m in forking:
+            got = probed.get(id(m))
+            if isinstance(got, Diverged):
+                results.append(_close(m, "diverged", f"a probe continuation: {got}"))
+                continue
+            if isinstance(got, Exception):  # its continuation broke: it leaves (or raises)
+                guarded(m.label, _raise, got)
+                _leave(m)
+                continue
+            try:
+                state = guarded(m.label, m.probes.before_round, m.prep.state, got)
+            except Diverged as exc:
+                results.append(_close(m, "diverged", f"a probe continuation: {exc}"))
+                continue
+            if state is FAILED:
+                _leave(m)
+                continue
+            m.prep = dataclasses.replace(m.prep, state=state)
         for m in members:  # resumed at its last round: only its summary was missing
             if m.running and m.prep.state.round >= m.fed.cfg.train.rounds:
                 results.append(_close(m, "completed", ""))
@@ -264,8 +292,8 @@ def _run_group(requests, dataset, device, log, on_round_end, on_error, compile
                        own) is FAILED:
                 _leave(m)
                 continue
-            if rnd >= m.fed.cfg.train.rounds:
-                results.append(_close(m, "completed", ""))
+            if rnd >= m.fed.cfg.train.rounds and m.probes is None:  # a forking run decides
+                results.append(_close(m, "completed", ""))         # at T, next pass
             # 4. branches fork from the snapshot just written
             for b in m.branches.pop(rnd, []):
                 branch = guarded(b.label, _branch, m, b, dataset, device, log, on_round_end)
@@ -273,24 +301,7 @@ def _run_group(requests, dataset, device, log, on_round_end, on_error, compile
                     members.append(branch)
     if cuda:
         release_device_caches()
-    for r in alone:  # forking runs (warmup=auto): each alone, as train_prepared trains it
-        label = r.label if r.label is not None else r.run_dir
-        got = guarded(label, _train_alone, r, dataset, device, on_round_end)
-        if got is not FAILED:
-            results.append((r.label, got))
     return results
-
-
-def _train_alone(req: RunRequest, dataset, device, hook) -> RunResult:
-    from real_data.runs import train_prepared
-
-    if req.resume:
-        prep = prepare_resume(req.run_dir, dataset=dataset, device=device)
-    else:
-        prep = prepare_start(req.cfg, out=req.run_dir, dataset=dataset,
-                             partition=req.partition, snapshot_rounds=req.snapshot_rounds,
-                             device=device)
-    return train_prepared(prep, hook)
 
 
 def evaluate_group(items: list[tuple], compiled: bool = False
@@ -355,6 +366,9 @@ def _member(req: RunRequest, dataset, device, hook) -> tuple[_Member, list[Branc
     member = _Member(prep, None if finished else RunLog(prep, hook),
                      {t0: bs for t0, bs in branches.items() if t0 > done}, not finished,
                      req.label)
+    if not finished and prep.fed.algorithm.forks_run:  # warmup=auto: probes and a decision
+        member.probes = ProbeDriver(prep.fed, prep.run_dir, member.log)
+        member.probes.prepare_resume(prep.state)
     return member, [b for t0, bs in branches.items() if t0 <= done for b in bs]
 
 
@@ -385,6 +399,10 @@ def _branch(parent: _Member, b: Branch, dataset, device, log, hook) -> _Member |
                              partition=parent.fed.source_partition, branch=snap, device=device)
     return _Member(prep, RunLog(prep, hook), {}, label=b.label)
 
+
+
+def _raise(exc: Exception) -> None:
+    raise exc
 
 
 def _leave(m: _Member) -> None:
@@ -419,7 +437,8 @@ def estimate_run_bytes(cfg: Config, num_params: int) -> int:
     buffers = 4 + (2 if t.optimizer == "adam" else 1 if t.momentum else 0)
     clients = t.clients_per_round or cfg.partition.num_clients
     per_run = 3 + (cfg.partition.num_clients if cfg.algorithm.name == "scaffold" else 0)
-    return width * num_params * (clients * buffers + per_run)
+    forks = 2 if forks_run(cfg) else 1  # a probe continuation trains a second copy
+    return width * num_params * (clients * buffers + per_run) * forks
 
 
 def plan_groups(requests: list[RunRequest], num_params: Callable[[Config], int],
@@ -430,12 +449,8 @@ def plan_groups(requests: list[RunRequest], num_params: Callable[[Config], int],
     most ``max_runs``. A run that cannot fit alone is a :class:`UserError` naming it."""
     groups: dict[tuple, list[list[RunRequest]]] = {}
     budget = fraction * free_bytes
-    alone = []
     for r in requests:
         cfg = r.cfg if r.cfg is not None else _saved_config(r.run_dir)
-        if trains_alone(cfg):
-            alone.append([r])
-            continue
         need = estimate_run_bytes(cfg, num_params(cfg)) * (1 + len(r.branches))
         if need > budget:
             raise UserError(f"run {r.run_dir} needs about {need / 2**30:.2f} GiB in a group "
@@ -451,7 +466,7 @@ def plan_groups(requests: list[RunRequest], num_params: Callable[[Config], int],
         if last and (used + need > budget or runs + 1 + len(r.branches) > max_runs):
             chunks.append([])
         chunks[-1].append(r)
-    return [c for chunks in groups.values() for c in chunks if c] + alone
+    return [c for chunks in groups.values() for c in chunks if c]
 
 
 def _saved_config(run_dir: Path) -> Config:

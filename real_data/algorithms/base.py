@@ -248,7 +248,8 @@ class Algorithm:
     @property
     def forks_run(self) -> bool:
         """True when the run forks probe continuations and may roll back
-        (:mod:`real_data.probe_runs`): it trains alone, in one process; default False."""
+        (:mod:`real_data.probe_runs`): it trains in one process (alone or in a stacked group,
+        whose forking runs probe together); default False."""
         return self.forks_with(self.params)
 
     @classmethod

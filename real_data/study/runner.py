@@ -340,7 +340,8 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
     ``stack``: T0 families that share a model architecture and optimizer train together in
     stacked groups of at most ``stack_runs`` runs (:mod:`real_data.stacked_runs`); budget and
     deadline then apply per stacked group. A run with ``algorithm.warmup=auto`` (it forks probe
-    continuations and rolls back) trains alone, outside the stacks.
+    continuations and rolls back) stacks too: the group trains its probes beside the other
+    forking runs' (:func:`real_data.probe_runs.probe_together`).
     ``price_runs``: other finished runs of the study (its tuning runs, for the final stage)
     whose measured GPU pace also prices the deadline, so a stage none of whose runs has
     finished yet does not start its first group blind.
@@ -408,7 +409,7 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
             continue
         t_group = time.perf_counter()
         try:
-            if stack and not _alone(batch):
+            if stack:
                 _run_stacked(batch, counts, log)
             else:
                 _run_group(members, counts, log)
@@ -564,19 +565,14 @@ def _head_action(head: RunSpec, counts: dict, log) -> str:
 
 
 def _stack_batches(families: list[list[RunSpec]], max_runs: int) -> list[list[list[RunSpec]]]:
-    """Consecutive T0 families of one stack key, at most ``max_runs`` runs a batch; a family
-    whose run forks and rolls back (``algorithm.warmup=auto``) is a batch of its own, trained
-    alone (:func:`real_data.stacked_runs.trains_alone`)."""
-    from real_data.stacked_runs import stack_key, trains_alone
+    """Consecutive T0 families of one stack key, at most ``max_runs`` runs a batch (a run that
+    forks probe continuations, ``algorithm.warmup=auto``, stacks with the others)."""
+    from real_data.stacked_runs import stack_key
 
     batches: list[list[list[RunSpec]]] = []
     keys: list[tuple] = []
     for family in families:
         cfg = run_config(family[0], family[0].warmup_rounds)
-        if trains_alone(cfg):
-            batches.append([family])
-            keys.append(("alone", len(batches)))
-            continue
         key = stack_key(cfg)
         for i in range(len(batches)):
             if keys[i] == key and sum(map(len, batches[i])) + len(family) <= max_runs:
@@ -586,13 +582,6 @@ def _stack_batches(families: list[list[RunSpec]], max_runs: int) -> list[list[li
             batches.append([family])
             keys.append(key)
     return batches
-
-
-def _alone(batch: list[list[RunSpec]]) -> bool:
-    """A batch of one family whose run trains alone (``algorithm.warmup=auto``)."""
-    from real_data.stacked_runs import trains_alone
-
-    return len(batch) == 1 and trains_alone(run_config(batch[0][0], batch[0][0].warmup_rounds))
 
 
 def _run_stacked(batch: list[list[RunSpec]], counts: dict, log) -> None:

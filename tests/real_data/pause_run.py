@@ -1,7 +1,7 @@
 """Start a run that stops between a round's metrics rows and its checkpoint, for kill tests.
 
     python tests/real_data/pause_run.py --round N --marker FILE --out RUN_DIR [--distributed]
-        [--rolled-back] [--probe-call K] key=value ...
+        [--rolled-back] [--probe-call K] [--group] key=value ...
 
 The run (the shipped ``digits_vit`` config with the overrides) goes through
 :func:`real_data.runs.start_run` (or, with ``--distributed`` under torchrun,
@@ -10,7 +10,8 @@ N's rows are written, creates FILE and waits forever, so the test can SIGKILL th
 one point where ``metrics.csv`` is ahead of ``checkpoints/last.pt``. ``--rolled-back``
 (``algorithm.warmup=auto``): only once the run has rolled back to its T0 (round N of the
 frozen stage). ``--probe-call K``: pause instead after the K-th frozen round of the probe
-continuations, in the middle of a probe.
+continuations, in the middle of a probe. ``--group``: the run trains in a stacked group
+(:func:`real_data.stacked_runs.run_group`) beside a fixed-T0 partner in ``RUN_DIR/../partner``.
 """
 
 from __future__ import annotations
@@ -42,20 +43,24 @@ def pause_at(round_: int, marker: Path, rolled_back: bool = False):
 
 
 def pause_in_probe(call: int, marker: Path) -> None:
-    """Hang after the ``call``-th frozen round of the probe continuations (warmup=auto)."""
-    from real_data.probe_runs import ProbeDriver
+    """Hang after the ``call``-th frozen round of the probe continuations (warmup=auto; in a
+    group, the ``call``-th round of the continuations trained together)."""
+    from real_data import probe_runs
 
-    fork_round = ProbeDriver.fork_round
+    fork_round, step = probe_runs.ProbeDriver.fork_round, probe_runs.probe_step
     calls = [0]
 
-    def counted(self, *args, **kwargs):
-        out = fork_round(self, *args, **kwargs)
-        calls[0] += 1
-        if calls[0] == call:
-            _hang(marker, f"probe round {call}")
-        return out
+    def counting(fn):
+        def counted(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            calls[0] += 1
+            if calls[0] == call:
+                _hang(marker, f"probe round {call}")
+            return out
+        return counted
 
-    ProbeDriver.fork_round = counted
+    probe_runs.ProbeDriver.fork_round = counting(fork_round)
+    probe_runs.probe_step = counting(step)
 
 
 def command(*args: str) -> list[str]:
@@ -97,13 +102,22 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--distributed", action="store_true")
     ap.add_argument("--rolled-back", action="store_true")
     ap.add_argument("--probe-call", type=int)
+    ap.add_argument("--group", action="store_true")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     cfg = load_config("digits_vit", args.overrides)
     hook = pause_at(args.round, args.marker, args.rolled_back)
     if args.probe_call is not None:
         pause_in_probe(args.probe_call, args.marker)
-    if args.distributed:
+    if args.group:  # with a fixed-T0 partner (OUT/../partner) in one stacked group
+        from real_data.runs import load_data
+        from real_data.stacked_runs import RunRequest, run_group
+
+        partner = load_config("digits_vit", [*args.overrides, "algorithm.warmup=fixed",
+                                             "algorithm.warmup_rounds=6"])
+        run_group([RunRequest(args.out, cfg), RunRequest(args.out.parent / "partner", partner)],
+                  dataset=load_data(cfg), log=lambda s: None, on_round_end=hook)
+    elif args.distributed:
         from real_data.distributed import run_distributed
 
         run_distributed(cfg, out=args.out, on_round_end=hook)

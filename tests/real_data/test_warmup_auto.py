@@ -9,7 +9,7 @@ On the tiny digits ViT (T = 16, a snapshot every 2 rounds, probes of 4 frozen ro
   and the discarded rows together);
 - after the roll-back the run equals a fixed-T0 run with T0 = the chosen snapshot;
 - a run killed in the middle of a probe, or after the roll-back, resumes to the same files;
-- a forking run in a stacked group trains alone and equals itself trained alone;
+- forking runs in a stacked group probe together and equal themselves trained alone;
 - bad settings exit 2 naming the key and write nothing.
 
 All runs are float32 on one CPU thread; the comparisons that follow one code path in one
@@ -22,13 +22,20 @@ import signal
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, assert_run_refused, tiny_config
+from conftest import (
+    TINY,
+    assert_group_equals_alone,
+    assert_rows_agree,
+    assert_run_refused,
+    tiny_config,
+)
 from pause_run import start as start_paused
 from pause_run import wait_paused
 
 from linattn.cli import main as linattn_main
 from linattn.errors import ConfigError
 from linattn_theory.probe import ProbeSelector
+from real_data import probe_runs
 from real_data.checkpoint import load_checkpoint
 from real_data.data import load_partition
 from real_data.engines import make_batches
@@ -221,17 +228,81 @@ def test_killed_auto_run_resumes_to_identical_files(runs, tmp_path, flags):
     assert sorted(p.name for p in (killed / "checkpoints").iterdir()) == ["last.pt"]
 
 
-def test_stacked_group_trains_the_auto_run_alone(runs, tmp_path):
-    dirs, _ = runs
-    cfgs = {"auto": tiny_config(*AUTO), "fixed": tiny_config(*fixed(6))}
-    results = run_group([RunRequest(tmp_path / n, c, label=n) for n, c in cfgs.items()],
-                        dataset=load_data(cfgs["auto"]), log=lambda s: None)
-    assert sorted(label for label, _ in results) == ["auto", "fixed"]
-    for name in ("metrics.csv", DISCARDED_FILE):
-        assert (tmp_path / "auto" / name).read_bytes() == (dirs["auto"] / name).read_bytes()
+def test_stacked_group_probes_together_and_equals_the_runs_alone(runs, tmp_path):
+    """Two auto runs (one stops early and rolls back, one at another lr) and a fixed-T0 run in
+    one group: the auto runs' probes train together, and every run's metrics, discarded rows
+    and decision agree with the run trained alone (the same T0; values within 1e-6)."""
+    dirs, warm = runs
+    cfgs = {"auto": tiny_config(*AUTO), "auto_lr": tiny_config(*AUTO, "train.lr=0.02"),
+            "fixed": tiny_config(*fixed(6))}
+    calls = []
+    real = probe_runs.probe_step
+
+    def counted(jobs, *args, **kwargs):
+        calls.append(len(jobs))
+        return real(jobs, *args, **kwargs)
+
+    probe_runs.probe_step = counted
+    try:
+        assert_group_equals_alone(tmp_path, cfgs)
+    finally:
+        probe_runs.probe_step = real
+    assert max(calls) == 2  # both continuations in one engine call where both probe
+    for name in ("auto", "auto_lr"):
+        alone = json.loads((tmp_path / "alone" / name / "summary.json").read_text())["warmup"]
+        group = json.loads((tmp_path / "group" / name / "summary.json").read_text())["warmup"]
+        for key in ("warmup_rounds", "stopped_at", "snapshots", "rounds_computed"):
+            assert group[key] == alone[key], (name, key)
+        np.testing.assert_allclose(np.array(group["curves"]), np.array(alone["curves"]),
+                                   rtol=1e-6)
+        if (tmp_path / "alone" / name / DISCARDED_FILE).is_file():
+            assert_rows_agree(tmp_path / "alone" / name / DISCARDED_FILE,
+                              tmp_path / "group" / name / DISCARDED_FILE)
+        assert sorted(p.name for p in (tmp_path / "group" / name / "checkpoints").iterdir()) \
+            == ["last.pt"]
+    # the first auto run is the module's run: it stopped early and rolled back in the group too
+    assert warm["warmup_rounds"] < warm["stopped_at"] < T
 
 
-def test_study_trains_the_auto_arm_alone(tmp_path):
+def test_group_killed_mid_probe_resumes_to_identical_files(tmp_path):
+    """An auto run and a fixed-T0 partner in one group, killed in the middle of the third
+    probe (probe round 10 of the group): resumed as a group, both runs' files equal those of
+    the group trained without a stop, byte for byte."""
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    cfg = tiny_config(*AUTO)
+    partner = tiny_config(*fixed(6))
+    run_group([RunRequest(whole / "auto", cfg), RunRequest(whole / "partner", partner)],
+              dataset=load_data(cfg), log=lambda s: None)
+    marker = tmp_path / "paused"
+    proc = start_paused(999, marker, killed / "auto", *TINY, *AUTO,
+                        flags=("--probe-call", "10", "--group"))
+    try:
+        wait_paused(proc, marker, "the group never paused in a probe")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # in a group a snapshot is written with its probe's curve: the third is not there yet
+    snaps = sorted(p.name for p in (killed / "auto" / "checkpoints").glob("probe_*.pt"))
+    assert snaps == ["probe_0.pt", "probe_2.pt"]
+    assert not (killed / "auto" / "summary.json").exists()
+    run_group([RunRequest(killed / "auto", resume=True),
+               RunRequest(killed / "partner", resume=True)],
+              dataset=load_data(cfg), log=lambda s: None)
+    for run in ("auto", "partner"):
+        for name in ("metrics.csv", DISCARDED_FILE):
+            if (whole / run / name).is_file():
+                assert (killed / run / name).read_bytes() == (whole / run / name).read_bytes()
+        a, b = params_of(killed / run), params_of(whole / run)
+        assert all(torch.equal(a[n], b[n]) for n in a)
+    got = json.loads((killed / "auto" / "summary.json").read_text())["warmup"]
+    want = json.loads((whole / "auto" / "summary.json").read_text())["warmup"]
+    assert {k: v for k, v in got.items() if k != "probe_seconds"} == \
+        {k: v for k, v in want.items() if k != "probe_seconds"}
+
+
+def test_study_stacks_the_auto_arm_with_the_others(tmp_path):
     import yaml
 
     from real_data import study
@@ -250,9 +321,7 @@ def test_study_trains_the_auto_arm_alone(tmp_path):
     specs = study.plan_runs(plan)
     families = [[s] for s in specs]
     batches = _stack_batches(families, 64)
-    # the two FedAvg runs share a stack; the auto run is a batch of its own
-    assert sorted(len(b) for b in batches) == [1, 2]
-    assert [f[0].arm.name for b in batches if len(b) == 1 for f in b] == ["auto"]
+    assert [len(b) for b in batches] == [3]  # the auto run stacks with the FedAvg runs
     counts = study.run_study(plan, log=lambda *_: None)
     assert counts["started"] == 3 and counts["failed"] == 0
     auto = next(s for s in specs if s.arm.name == "auto").run_dir
