@@ -132,6 +132,14 @@ class ProbeDriver:
         return (rec["stopped_at"] is None and self.is_probe_round(state.round)
                 and state.round not in rec["snapshots"])
 
+    def probed_here(self, state: FedState) -> bool:
+        """This run recorded its probe at ``state.round`` and has not decided yet: in a group
+        resumed at this round, it probed beside the runs still due here."""
+        if state.server_state.warmup_rounds is not None:
+            return False
+        rec = self.record(state)
+        return rec["stopped_at"] is None and state.round in rec["snapshots"]
+
     def before_round(self, state: FedState,
                      probed: tuple[list[float], float] | None = None) -> FedState:
         """Probe at ``state.round`` if it is a snapshot round, decide T0 when the selector
@@ -315,11 +323,21 @@ def probe_together(items: list[tuple[ProbeDriver, FedState]], stacked, pad_clien
     (by clients), or the exception that ended its continuation (a
     :class:`~real_data.federation.Diverged` server update, or an error of its own); the other
     runs go on. Each curve is the one :meth:`ProbeDriver.probe` gives alone, up to the
-    summation order of the batched kernels."""
+    summation order of the batched kernels: a run's curve depends on which runs probe beside
+    it, so a group resumed after a kill probes again beside the same runs (the group's
+    ``companions``, see :mod:`real_data.stacked_runs`)."""
     start = time.perf_counter()
-    forks = [d.fork(st) for d, st in items]
-    curves = [[d.objective(f.global_params)] for (d, _), f in zip(items, forks)]
     out: list = [None] * len(items)
+    forks: list = [None] * len(items)
+    curves: list[list[float]] = [[] for _ in items]
+    for i, (d, st) in enumerate(items):
+        try:
+            forks[i] = d.fork(st)
+            curves[i].append(d.objective(forks[i].global_params))
+        except UserError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - this run's continuation ends, not others'
+            out[i] = exc
     clients = [0.0] * len(items)
     for s in range(1, max(d.params.probe_rounds for d, _ in items) + 1):
         live = [i for i, (d, _) in enumerate(items)

@@ -25,6 +25,11 @@ A run's result depends only on its own config, not on the group it trains in (up
 of summation in batched kernels: tests hold stacked and per-run metrics within 1e-6 in float64).
 A killed group resumes from each run's last checkpoint; runs checkpointed at the same rounds
 resume in the same groups, so the resumed metrics equal the uninterrupted ones byte for byte.
+A kill between two runs' writes of one round leaves them a round apart: the run behind redoes
+that round in a smaller batch, within the batched kernels' rounding of the uninterrupted
+values. Probes are the exception that matters (a probe's curve decides T0): a forking run
+whose probe was not recorded probes again beside the runs that recorded theirs at that round,
+so its curve is the uninterrupted one byte for byte.
 """
 
 from __future__ import annotations
@@ -212,14 +217,22 @@ def _run_group(requests, dataset, device, log, on_round_end, on_error, compile
     for m in members:
         if m.fed.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(m.fed.device)
+    probe_pad = sum(_clients(m) for m in members if m.running and m.probes is not None)
     while any(m.running for m in members):
         # the forking runs' probes due before this round, together; then each decides
         # (a decision at T, or where its selector stops, may roll it back to its T0)
         forking = [m for m in members if m.running and m.probes is not None]
         due = [m for m in forking if m.probes.probe_due(m.prep.state)]
-        # (not padded to the group's clients: a probe round trains only the forking runs')
-        probed = dict(zip(map(id, due), probe_together(
-            [(m.probes, m.prep.state) for m in due], stacked) if due else []))
+        # a resumed group whose kill fell between the runs' records of one probe round probes
+        # again beside the runs that recorded theirs (results dropped), so every run's curve
+        # comes from the batch it came from uninterrupted; padded to the forking runs'
+        # clients at the start, so every probe round has one shape
+        rounds = {m.prep.state.round for m in due}
+        batch = [m for m in forking if m in due or (
+            m.prep.state.round in rounds and m.probes.probed_here(m.prep.state))]
+        probed = dict(zip(map(id, batch), probe_together(
+            [(m.probes, m.prep.state) for m in batch], stacked, probe_pad) if due else []))
+        probed = {k: v for k, v in probed.items() if any(id(m) == k for m in due)}
         for m in forking:
             got = probed.get(id(m))
             if isinstance(got, Diverged):

@@ -302,6 +302,61 @@ def test_group_killed_mid_probe_resumes_to_identical_files(tmp_path):
         {k: v for k, v in want.items() if k != "probe_seconds"}
 
 
+KILL_BETWEEN = """
+import os, sys
+from pathlib import Path
+sys.path[:0] = [sys.argv[1], sys.argv[1] + '/tests/real_data']
+from conftest import tiny_config
+from real_data import probe_runs
+from real_data.runs import load_data
+from real_data.stacked_runs import RunRequest, run_group
+out, kill_round, overrides = Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
+before = probe_runs.ProbeDriver.before_round
+def exit_after_a(self, state, probed=None):
+    got = before(self, state, probed)
+    if probed is not None and self.run_dir.name == 'a' and state.round == kill_round:
+        os._exit(9)  # a's probe is recorded, b's is not
+    return got
+probe_runs.ProbeDriver.before_round = exit_after_a
+cfgs = {'a': tiny_config(*overrides), 'b': tiny_config(*overrides, 'train.lr=0.02')}
+run_group([RunRequest(out / n, c) for n, c in cfgs.items()], dataset=load_data(cfgs['a']),
+          log=lambda s: None)
+"""
+
+
+@pytest.mark.parametrize("kill_round", [2, 4])
+def test_group_killed_between_two_runs_probe_records_resumes_identically(tmp_path,
+                                                                          kill_round):
+    """Two auto runs probe together; the process dies after the first run's probe at a round
+    is recorded and before the second's. Resumed, the second probes again beside the first
+    (whose repeated continuation is dropped), so both runs' files equal the uninterrupted
+    group's byte for byte."""
+    import subprocess
+    import sys
+
+    from pause_run import REPO
+
+    cfgs = {"a": tiny_config(*AUTO), "b": tiny_config(*AUTO, "train.lr=0.02")}
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    run_group([RunRequest(whole / n, c) for n, c in cfgs.items()],
+              dataset=load_data(cfgs["a"]), log=lambda s: None)
+    proc = subprocess.run([sys.executable, "-c", KILL_BETWEEN, str(REPO), str(killed),
+                           str(kill_round), *TINY, *AUTO], capture_output=True, timeout=300)
+    assert proc.returncode == 9, proc.stderr.decode()[-2000:]
+    rows = {n: (killed / n / "metrics.csv").read_text() for n in cfgs}
+    probe_row = f"\n{kill_round},global,probe_prediction,"
+    assert probe_row in rows["a"] and probe_row not in rows["b"]
+    run_group([RunRequest(killed / n, resume=True) for n in cfgs],
+              dataset=load_data(cfgs["a"]), log=lambda s: None)
+    for n in cfgs:
+        for name in ("metrics.csv", DISCARDED_FILE):
+            if (whole / n / name).is_file():
+                assert (killed / n / name).read_bytes() == (whole / n / name).read_bytes(), \
+                    (n, name)
+        a, b = params_of(killed / n), params_of(whole / n)
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_study_stacks_the_auto_arm_with_the_others(tmp_path):
     import yaml
 
