@@ -186,6 +186,7 @@ def prepare_start(cfg: Config, out: Path | None = None, dataset=None, partition=
     device : torch.device, optional
         Overrides ``train.device`` (a stacked group puts every run on its one device).
     """
+    rundir.device_workers()  # a bad LINATTN_DEVICE_WORKERS fails here, not in the summary
     dataset = load_data(cfg) if dataset is None else dataset
     partition = make_partition_for(cfg, dataset) if partition is None else partition
     cfg = resolve(cfg, dataset)
@@ -240,6 +241,7 @@ def prepare_resume(run_dir: Path, trainer=None, dataset=None,
     if not (run_dir / "config.yaml").is_file():
         raise UserError(f"{run_dir} is not a run directory (no config.yaml); give the folder "
                         "`linattn run` wrote")
+    rundir.device_workers()  # a bad LINATTN_DEVICE_WORKERS fails here, not in the summary
     lock = RunLock.acquire(run_dir)  # before anything is read, so no writer is mid-round
     try:
         return _open_locked(run_dir, lock, trainer, dataset, device)

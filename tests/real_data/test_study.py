@@ -724,6 +724,12 @@ def test_gpu_seconds_count_a_shared_gpu_once(tmp_path, monkeypatch):
     monkeypatch.setenv(rundir.DEVICE_WORKERS_ENV, "0")
     with pytest.raises(UserError, match="LINATTN_DEVICE_WORKERS='0'"):
         rundir.device_workers()
+    # a run refuses it before it writes anything (not at its end, in the summary)
+    out = tmp_path / "refused"
+    res = run_cli("run", "--config", "digits_vit", "train.rounds=1", f"run.out_dir={out}",
+                  env={rundir.DEVICE_WORKERS_ENV: "two"})
+    assert res.returncode == 2 and "LINATTN_DEVICE_WORKERS='two'" in res.stderr
+    assert not out.exists() or not any(out.iterdir())
     monkeypatch.delenv(rundir.DEVICE_WORKERS_ENV)
     res = run_cli("study", "--plan", str(tmp_path / "plan.yaml"), "--out", str(tmp_path / "o"),
                   "--pace-workers", "2")
