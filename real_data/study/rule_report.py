@@ -21,8 +21,9 @@ and FedAvg (never freezing, T0 = T) is read per setting (sweep and alpha), paire
   target is a T0 < T.
 
 Across the settings every method completed on all seeds (the same settings for every
-method): mean regret, win / tie / loss /
-inconclusive against FedAvg, and the refrain rate where the best T0 is T. ``rule_regret.json``
+method): mean, median and max regret, the settings within 1 point of the target and those more
+than 1 point below FedAvg, win / tie / loss / inconclusive against FedAvg, the refrain rate
+where the best T0 is T and the fire rate where it is below T. ``rule_regret.json``
 holds every per-seed number; ``rule_regret.md`` the tables.
 """
 

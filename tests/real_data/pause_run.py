@@ -17,6 +17,7 @@ continuations, in the middle of a probe. ``--group``: the run trains in a stacke
 from __future__ import annotations
 
 import argparse
+import signal
 import subprocess
 import sys
 import time
@@ -89,6 +90,18 @@ def wait_paused(proc: subprocess.Popen, marker: Path, what: str, timeout: float 
             raise AssertionError(err.decode()[-3000:] if isinstance(err, bytes) else err[-3000:])
         assert time.time() < deadline, what
         time.sleep(poll)
+
+
+def kill_when_paused(proc: subprocess.Popen, marker: Path, what: str) -> None:
+    """:func:`wait_paused`, then SIGKILL the process at its pause (the process is killed in
+    any case: a failed wait leaves no process behind)."""
+    try:
+        wait_paused(proc, marker, what)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def main(argv: list[str]) -> int:

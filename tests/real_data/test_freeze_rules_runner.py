@@ -4,7 +4,6 @@ its decision in summary.json; a killed run resumes to byte-identical metrics; a 
 equals the runs trained alone; bad rules and missing inputs exit 2 naming the key."""
 
 import json
-import signal
 
 import pytest
 import torch
@@ -16,8 +15,8 @@ from conftest import (
     metric_rows,
     tiny_config,
 )
+from pause_run import kill_when_paused
 from pause_run import start as start_paused
-from pause_run import wait_paused
 
 from linattn.cli import main as linattn_main
 from real_data.models.layers import attention_scores
@@ -77,13 +76,7 @@ def test_killed_rule_run_resumes_to_identical_metrics(tmp_path):
     over = [*TINY, *BASE, "algorithm.warmup=perturbation"]
     killed, marker = tmp_path / "killed", tmp_path / "paused"
     proc = start_paused(6, marker, killed, *over)
-    try:
-        wait_paused(proc, marker, "the run never reached round 6")
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    kill_when_paused(proc, marker, "the run never reached round 6")
     assert linattn_main(["run", "--resume", str(killed)]) == 0
     whole = tmp_path / "whole"
     assert linattn_main(["run", "--config", "digits_vit", *over, "--out", str(whole)]) == 0

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY, run_cli, tiny_config
+from pause_run import kill_when_paused
 from pause_run import start as start_paused
-from pause_run import wait_paused
 
 from linattn.cli import main as linattn_main
 from real_data import engines
@@ -53,13 +53,8 @@ def test_killed_run_resumes_to_identical_metrics(tmp_path):
     args = ["run", "--config", "digits_vit", *SMALL, "train.rounds=6"]
     killed, marker = tmp_path / "killed", tmp_path / "paused"
     proc = start_paused(4, marker, killed, *SMALL, "train.rounds=6")
-    try:
-        wait_paused(proc, marker, "the run never reached round 4")
-        proc.send_signal(signal.SIGKILL)  # round 4 rows written, its checkpoint not yet
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    # killed with round 4's rows written, its checkpoint not yet
+    kill_when_paused(proc, marker, "the run never reached round 4")
     assert proc.returncode == -signal.SIGKILL
     assert torch.load(killed / "checkpoints" / "last.pt", weights_only=False)["round"] == 3
     assert round_maps(killed / "metrics.csv") == {1, 2, 3, 4}  # round 4 is newer than last.pt

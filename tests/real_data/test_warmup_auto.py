@@ -17,7 +17,6 @@ process are exact (equal bytes), the plain loop (other code path) agrees within 
 """
 
 import json
-import signal
 
 import numpy as np
 import pytest
@@ -29,8 +28,8 @@ from conftest import (
     assert_run_refused,
     tiny_config,
 )
+from pause_run import kill_when_paused
 from pause_run import start as start_paused
-from pause_run import wait_paused
 
 from linattn.cli import main as linattn_main
 from linattn.errors import ConfigError
@@ -203,13 +202,7 @@ def test_killed_auto_run_resumes_to_identical_files(runs, tmp_path, flags):
     killed, marker = tmp_path / "killed", tmp_path / "paused"
     pause_round = {(): 4, ("--rolled-back",): warm["warmup_rounds"] + 2}.get(flags, 999)
     proc = start_paused(pause_round, marker, killed, *TINY, *AUTO, flags=flags)
-    try:
-        wait_paused(proc, marker, f"the run never paused ({flags})")
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    kill_when_paused(proc, marker, f"the run never paused ({flags})")
     if flags[:1] == ("--probe-call",):  # killed mid-probe: its snapshot is on disk
         assert (killed / "checkpoints" / "probe_4.pt").is_file()
         assert not (killed / "summary.json").exists()
@@ -276,13 +269,7 @@ def test_group_killed_mid_probe_resumes_to_identical_files(tmp_path):
     marker = tmp_path / "paused"
     proc = start_paused(999, marker, killed / "auto", *TINY, *AUTO,
                         flags=("--probe-call", "10", "--group"))
-    try:
-        wait_paused(proc, marker, "the group never paused in a probe")
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    kill_when_paused(proc, marker, "the group never paused in a probe")
     # in a group a snapshot is written with its probe's curve: the third is not there yet
     snaps = sorted(p.name for p in (killed / "auto" / "checkpoints").glob("probe_*.pt"))
     assert snaps == ["probe_0.pt", "probe_2.pt"]
