@@ -352,9 +352,14 @@ class Federation:
 
         algo, name = self.algorithm, self.cfg.algorithm.name
         if algo.needs_validation and self.x_val is None:
+            params = self.cfg.algorithm.params
+            default = (" (algorithm.warmup=auto is the default where algorithm.warmup_rounds "
+                       "is unset; or give algorithm.warmup_rounds, a fixed T0)"
+                       if getattr(params, "warmup", None) == "auto"
+                       and getattr(params, "warmup_rounds", 0) is None else "")
             raise ConfigError(f"algorithm.name={name} with these settings "
                               f"({_settings(self.cfg)}) reads the validation split; set "
-                              "partition.validation_fraction (e.g. 0.1)")
+                              f"partition.validation_fraction (e.g. 0.1){default}")
         if algo.forks_run and self.trainer is not None:
             raise ConfigError(f"algorithm.name={name} ({_settings(self.cfg)}) forks probe "
                               "continuations and rolls the run back, which runs in one "

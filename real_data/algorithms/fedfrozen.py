@@ -15,6 +15,10 @@ from linattn_theory.freeze_rules import RULES, FreezeRule, make_rule, parse_rule
 from real_data.algorithms.base import Algorithm, RoundPlan, ServerUpdate
 from real_data.models.groups import GROUP_KINDS, names_of_kind
 
+# ``algorithm.warmup`` when neither it nor ``warmup_rounds`` is set: the probe estimator, the
+# lowest mean regret against the best fixed T0 among the online choices (docs/results.md)
+DEFAULT_RULE = "auto"
+
 
 @dataclass(frozen=True)
 class FedFrozenParams:
@@ -23,7 +27,7 @@ class FedFrozenParams:
     warmup_rounds : int or None
         T0: rounds 1..T0 are FedAvg on the full model; from round T0 + 1 the query/key
         projections stay at their round-T0 global values. Required when ``warmup="fixed"``.
-    warmup : str
+    warmup : str or None
         ``fixed`` (T0 = ``warmup_rounds``), ``auto``: the probe estimator of eq. (36)
         (:mod:`linattn_theory.probe`, run by :mod:`real_data.probe_runs`): every
         ``probe_interval`` warm-up rounds the run forks a freeze-now continuation of
@@ -34,6 +38,10 @@ class FedFrozenParams:
         watches the warm-up rounds and freezes after the round it fires (never: T0 = T).
         ``auto``, ``plateau`` and ``kernel_stability`` need a validation split
         (``partition.validation_fraction``); ``plateau`` observes the rounds that evaluate.
+        Unset (None): ``fixed`` where ``warmup_rounds`` is given, else ``auto``, the method
+        with the lowest mean regret against the best fixed T0 of all the online choices on
+        the synthetic warm-up grid and on the real-data freeze-rules study
+        (docs/results.md, "When to freeze, decided by the run itself").
     train : {"all_but_qk", "v"}
         What trains after T0: everything except Q/K, or the value projections only (the
         restricted value-block problem of the theory).
@@ -69,7 +77,7 @@ class FedFrozenParams:
     """
 
     warmup_rounds: int | None = None
-    warmup: str = "fixed"
+    warmup: str | None = None
     train: Literal["all_but_qk", "v"] = "all_but_qk"
     probe_rounds: int = 10
     freeze: Literal["qk", "v_attn_out"] = "qk"
@@ -88,6 +96,9 @@ class FedFrozenParams:
         return None if self.warmup in ("fixed", "auto") else self.warmup
 
     def __post_init__(self) -> None:
+        if self.warmup is None:  # a fixed T0 where one is given, else the best online rule
+            object.__setattr__(self, "warmup",
+                               "fixed" if self.warmup_rounds is not None else DEFAULT_RULE)
         if self.rule is not None:
             try:
                 parse_rule(self.rule)

@@ -141,6 +141,23 @@ def test_bad_rules_exit_2_and_write_nothing(tmp_path, capsys, override, text):
     assert_run_refused(tmp_path, capsys, [*TINY, *BASE, *override], text)
 
 
+def test_the_default_warmup_is_a_given_t0_else_the_probe_estimator(tmp_path, capsys):
+    """``algorithm.warmup`` unset: ``fixed`` where ``warmup_rounds`` is given, else ``auto``
+    (the lowest-regret choice); without a validation split that default exits 2 naming both
+    ways out, and writes nothing."""
+    from real_data.algorithms import FedFrozenParams
+    from real_data.algorithms.fedfrozen import DEFAULT_RULE
+
+    assert DEFAULT_RULE == "auto"
+    assert FedFrozenParams().warmup == "auto"
+    assert FedFrozenParams(warmup_rounds=7).warmup == "fixed"
+    assert FedFrozenParams(warmup="plateau").warmup == "plateau"
+    assert tiny_config(*BASE).algorithm.params.warmup == "auto"
+    assert tiny_config(*BASE, "algorithm.warmup_rounds=3").algorithm.params.warmup == "fixed"
+    assert_run_refused(tmp_path, capsys, [*TINY, *BASE, "partition.validation_fraction=null"],
+                       "or give algorithm.warmup_rounds")
+
+
 def test_a_run_whose_round_observation_breaks_leaves_the_group_and_the_others_finish(
         tmp_path, monkeypatch):
     """A freeze rule that raises while observing a round (here kernel_stability's attention
