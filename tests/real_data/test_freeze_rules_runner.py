@@ -141,6 +141,21 @@ def test_bad_rules_exit_2_and_write_nothing(tmp_path, capsys, override, text):
     assert_run_refused(tmp_path, capsys, [*TINY, *BASE, *override], text)
 
 
+def test_a_rule_reading_attention_rows_on_a_model_without_attention_exits_2(
+        tmp_path, capsys, monkeypatch):
+    """kernel_stability reads attention rows: on a model with no attention layer (here the
+    ViT's module listing leaves its attention layers out) the run stops before writing
+    anything."""
+    from real_data.models.layers import Attention
+    from real_data.models.vit import ViT
+
+    listed = ViT.modules
+    monkeypatch.setattr(ViT, "modules", lambda self: (
+        m for m in listed(self) if not isinstance(m, Attention)))
+    assert_run_refused(tmp_path, capsys, [*TINY, *BASE, "algorithm.warmup=kernel_stability"],
+                       "has no attention layers")
+
+
 def test_the_default_warmup_is_a_given_t0_else_the_probe_estimator(tmp_path, capsys):
     """``algorithm.warmup`` unset: ``fixed`` where ``warmup_rounds`` is given, else ``auto``
     (the lowest-regret choice); without a validation split that default exits 2 naming both
