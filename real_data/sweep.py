@@ -44,6 +44,12 @@ def plan_sweep(cfg: Config, algorithms, seeds, warmup_rounds, alphas) -> list[di
                         raise ConfigError(f"--warmup-rounds {t0} exceeds train.rounds="
                                           f"{cfg.train.rounds}")
                 section = _algorithm_section(cfg, name, t0s[0])
+                if (getattr(section.params, "needs_validation", False)
+                        and part.validation_fraction is None):
+                    raise ConfigError(
+                        f"--algorithms {name}: algorithm.warmup={section.params.warmup} reads "
+                        "the validation split; set partition.validation_fraction (e.g. 0.1), "
+                        "or give FedFrozen a fixed T0 (--warmup-rounds)")
                 c = dataclasses.replace(cfg, seed=seed, partition=part, algorithm=section)
                 plan.append({"cfg": c, "alpha": alpha, "seed": seed, "algorithm": name,
                              "t0s": t0s})

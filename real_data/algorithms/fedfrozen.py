@@ -91,6 +91,14 @@ class FedFrozenParams:
     server_lr: float = 1.0
 
     @property
+    def needs_validation(self) -> bool:
+        """True when the warm-up rule (or ``auto``'s probes) reads the validation split."""
+        if self.warmup == "auto":
+            return True
+        return self.rule is not None and self.rule.partition("=")[0] in ("plateau",
+                                                                        "kernel_stability")
+
+    @property
     def rule(self) -> str | None:
         """The online freeze rule's spec, or None for ``fixed`` and ``auto``."""
         return None if self.warmup in ("fixed", "auto") else self.warmup
@@ -244,10 +252,7 @@ class FedFrozen(Algorithm):
     @property
     def needs_validation(self) -> bool:
         """True when the warm-up rule (or ``auto``'s probes) reads the validation split."""
-        rule = self.params.rule
-        if self.params.warmup == "auto":
-            return True
-        return rule is not None and rule.partition("=")[0] in ("plateau", "kernel_stability")
+        return self.params.needs_validation
 
     @classmethod
     def forks_with(cls, params) -> bool:

@@ -35,18 +35,41 @@ from pathlib import Path
 import numpy as np
 
 from linattn.fileio import atomic_write_text
-from real_data.study.plan import Plan, override_value
+from real_data.study.plan import (
+    Plan,
+    RunSpec,
+    inside,
+    override_value,
+    run_config,
+    run_key,
+)
 from real_data.study.tables import compare, t_interval
 
 AGAINST = "fedavg"
 
 
+def _decides_online(plan: Plan, sweep, arm) -> bool:
+    """True when ``arm``'s runs decide T0 online: FedFrozen whose resolved ``algorithm.warmup``
+    is a rule or ``auto`` (set by the arm, or the default where no T0 is given). An arm with a
+    T0 grid runs fixed T0s."""
+    if arm.warmup_rounds:
+        return False
+    named = override_value(arm.overrides, "algorithm.warmup")
+    if named is not None:
+        return named != "fixed"
+    alpha, seed = sweep.alphas[0], sweep.seeds[0]
+    key = run_key(sweep.name, arm.name, None, alpha, seed)
+    cfg = run_config(RunSpec(key, sweep, arm, alpha, seed, None, inside(plan.out_dir, key)),
+                     None)
+    return cfg.algorithm.name == "fedfrozen" and cfg.algorithm.params.warmup != "fixed"
+
+
 def rule_arms(plan: Plan) -> dict[str, list[str]]:
-    """Per sweep, the arms that decide T0 online (``algorithm.warmup`` other than ``fixed``)."""
+    """Per sweep, the arms that decide T0 online (``algorithm.warmup`` other than ``fixed``,
+    as the run resolves it)."""
     out: dict[str, list[str]] = {}
     for sw in plan.sweeps:
-        names = [a.name for a in sw.arms
-                 if override_value(a.overrides, "algorithm.warmup") not in (None, "fixed")]
+        names = [a.name for a in sw.arms if _decides_online(plan, sw, a)]
         if names:
             out.setdefault(sw.name, [])
             out[sw.name] += [n for n in names if n not in out[sw.name]]

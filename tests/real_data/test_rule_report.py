@@ -55,6 +55,23 @@ def test_rule_and_fixed_arms_come_from_the_plan(plan):
     assert not study.rule_regret(plan, [])["settings"]  # nothing finished: no setting
 
 
+def test_an_arm_that_takes_the_default_warmup_is_an_online_arm(plan):
+    """FedFrozen with neither algorithm.warmup nor a T0 runs ``auto`` (the default), so the
+    report counts the arm with the rules; FedAvg and a fixed T0 given by override do not."""
+    import dataclasses
+
+    sw = plan.sweeps[0]
+    auto = next(a for a in sw.arms if a.name == "auto")
+    default = dataclasses.replace(auto, name="default", overrides=tuple(
+        o for o in auto.overrides if not o.startswith("algorithm.warmup=")))
+    pinned = dataclasses.replace(auto, name="pinned", overrides=(
+        *default.overrides, "algorithm.warmup_rounds=30"))
+    changed = dataclasses.replace(plan, sweeps=(dataclasses.replace(
+        sw, arms=(*sw.arms, default, pinned)), *plan.sweeps[1:]))
+    arms = rule_arms(changed)[sw.name]
+    assert "default" in arms and "pinned" not in arms and "fedavg" not in arms
+
+
 def test_target_regret_verdicts_and_rates(plan):
     # alpha 0.1: FedAvg validates better, so the target is never freezing (T = 200);
     # alpha 0.3: the fixed T0 validates better, so the target is T0 = 80

@@ -136,6 +136,19 @@ def test_sweep_command_writes_an_index(tmp_path, capsys):
     assert len(rows) == 5 and rows[1].split(",")[1:3] == ["fedavg", "0"]
 
 
+def test_a_sweep_whose_fedfrozen_needs_a_validation_split_exits_2_before_training(
+        tmp_path, capsys):
+    """FedFrozen without a T0 is ``warmup=auto``, which reads the validation split: a sweep
+    without one stops while planning, before its FedAvg run trains or anything is written."""
+    out = tmp_path / "s"
+    code = linattn_main(["sweep", "--config", "digits_vit", "--out", str(out),
+                         "--algorithms", "fedavg,fedfrozen", *TINY, "partition.num_clients=4",
+                         "train.rounds=2", "algorithm.name=fedavg"])
+    assert code == 2
+    assert "partition.validation_fraction" in capsys.readouterr().err
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("device", [
     "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                          reason="needs a CUDA GPU"))])
