@@ -301,6 +301,22 @@ def _plan(raw, path: Path, out_dir) -> Plan:
             _require(not sw.grid and not any(a.grid for a in sw.arms), f"sweep {sw.name}",
                      "has a tuning grid but the plan has no 'tune' section; add "
                      "tune: {seed: 0, last: 5, validation_fraction: 0.1}")
+        for i, sw in enumerate(sweeps):  # a tuned plan holds out validation for every run
+            for arm in sw.arms:
+                if arm.warmup_rounds:
+                    continue  # fixed T0s
+                try:
+                    cfg = load_config(sw.config, [o.replace("{out_dir}", str(given))
+                                                  for o in (*sw.overrides, *arm.overrides)])
+                except ConfigError:
+                    continue  # a bad override stops the run's own start, naming the key
+                params = cfg.algorithm.params
+                if (getattr(params, "needs_validation", False)
+                        and cfg.partition.validation_fraction is None):
+                    _require(False, f"sweeps[{i}] arm {arm.name}",
+                             f"algorithm.warmup={params.warmup} reads the validation split; "
+                             "add partition.validation_fraction=0.1 to its overrides, or give "
+                             "it a T0 (warmup_rounds)")
     return Plan(name, Path(given), sweeps, jobs, tune)
 
 

@@ -127,6 +127,18 @@ def test_bad_plans_name_the_key(tmp_path, mutate, key):
         _plan(tmp_path, data)
 
 
+def test_an_arm_whose_default_warmup_needs_a_validation_split_is_refused_at_load(tmp_path):
+    """FedFrozen with no T0 runs ``warmup=auto`` (the default), which reads a validation
+    split: a plan without a tune section must give it one, or loading it names the arm."""
+    data = yaml.safe_load(yaml.safe_dump(PLAN))
+    data["sweeps"][0]["arms"].append({"name": "decides", "overrides": [
+        "algorithm.name=fedfrozen", "algorithm.warmup_rounds=null"]})
+    with pytest.raises(ConfigError, match=r"sweeps\[0\] arm decides: algorithm.warmup=auto"):
+        _plan(tmp_path, data)
+    data["sweeps"][0]["arms"][-1]["overrides"].append("partition.validation_fraction=0.1")
+    assert [a.name for a in _plan(tmp_path, data).sweeps[0].arms][-1] == "decides"
+
+
 def test_bad_override_in_plan_writes_nothing(tmp_path):
     data = yaml.safe_load(yaml.safe_dump(PLAN))
     data["sweeps"][0]["arms"][0]["overrides"] = ["train.nonsense=1"]
