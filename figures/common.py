@@ -182,6 +182,20 @@ def run_standalone(make, description: str, argv=None) -> int:
     return 0
 
 
+def run_folder_standalone(make, description: str, folder_help: str, argv=None) -> int:
+    """``python -m figures.figN_...`` of a figure drawn from a folder of runs or tables:
+    ``make(folder, out_dir)``; prints the files written and the caption."""
+    top = argparse.ArgumentParser(description=description,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    top.add_argument("folder", type=Path, help=folder_help)
+    top.add_argument("--out", type=Path, default=None, help="output folder (default figures/out)")
+    args = top.parse_args(argv)
+    fig = make(args.folder, args.out)
+    print("\n".join(str(p) for p in fig.paths))
+    print(fig.caption)
+    return 0
+
+
 def fmt(value) -> str:
     """A number as the report prints it: 4 significant digits (as ``validation.md``)."""
     if value is None:

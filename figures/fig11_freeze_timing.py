@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from figures.common import FigureError, FigureOutput
+from figures.common import FigureError, FigureOutput, run_folder_standalone
 from figures.style import new_figure, save, series_style
 
 NAME = "fig11_freeze_timing"
@@ -142,17 +142,8 @@ def make(folder: Path, out_dir=None) -> FigureOutput:
 
 
 def main(argv=None) -> int:
-    import argparse
-
-    top = argparse.ArgumentParser(description=__doc__,
-                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    top.add_argument("folder", type=Path, help="a freeze-rule study's export folder or out_dir")
-    top.add_argument("--out", type=Path, default=None, help="output folder (default figures/out)")
-    args = top.parse_args(argv)
-    fig = make(args.folder, args.out)
-    print("\n".join(str(p) for p in fig.paths))
-    print(fig.caption)
-    return 0
+    return run_folder_standalone(make, __doc__, "a freeze-rule study's export folder or "
+                                 "out_dir", argv)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ condition:
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import re
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from figures.common import FigureError, FigureOutput, fmt
+from figures.common import FigureError, FigureOutput, fmt, run_folder_standalone
 from figures.style import new_figure, save, series_style
 from linattn.configio import load_yaml
 
@@ -337,15 +336,8 @@ def caption(conditions, runs, runs_dir) -> str:
 
 
 def main(argv=None) -> int:
-    top = argparse.ArgumentParser(description=__doc__,
-                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    top.add_argument("runs", type=Path, help="a folder of run directories (or a study's)")
-    top.add_argument("--out", type=Path, default=None, help="output folder (default figures/out)")
-    args = top.parse_args(argv)
-    fig = make(args.runs, args.out)
-    print("\n".join(str(p) for p in fig.paths))
-    print(fig.caption)
-    return 0
+    return run_folder_standalone(make, __doc__, "a folder of run directories (or a study's)",
+                                 argv)
 
 
 if __name__ == "__main__":
