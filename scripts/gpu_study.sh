@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run a study plan on every GPU of this machine, several worker processes per GPU, within a
-# fixed wall time; then pack what finished into parts of at most 12 MiB (OUTDIR/study_runs.
+# fixed wall time; then pack what finished into parts of at most 15 MiB (OUTDIR/study_runs.
 # tar.gz.partNN: `cat` them and unpack into the plan's out_dir, then `linattn study --plan P
 # --aggregate-only`). Each worker starts a run group only if it should end in time
 # (--deadline), and is killed at the limit; an interrupted run resumes if this machine is
@@ -90,9 +90,9 @@ python -m linattn study --plan "$plan" --list "$@" | awk '{print $1}' | sort | u
 python -m linattn study --plan "$plan" --aggregate-only --no-tables \
   --pack "$out/study_runs.tar.gz" --pack-partial "$out/partial_runs.tar.gz" \
   --markers "$out/done_markers.tar.gz" "$@" | tail -3
-split -b 12M -d "$out/study_runs.tar.gz" "$out/study_runs.tar.gz.part" && rm "$out/study_runs.tar.gz"
+split -b 15M -d "$out/study_runs.tar.gz" "$out/study_runs.tar.gz.part" && rm "$out/study_runs.tar.gz"
 if [ -n "$(tar -tzf "$out/partial_runs.tar.gz" 2>/dev/null | head -n 1)" ]; then
-  split -b 12M -d "$out/partial_runs.tar.gz" "$out/partial_runs.tar.gz.part"
+  split -b 15M -d "$out/partial_runs.tar.gz" "$out/partial_runs.tar.gz.part"
 fi
 rm -f "$out/partial_runs.tar.gz"
 # the configurations a tuning stage chose: a later machine's final stage takes them with
@@ -101,3 +101,6 @@ dest=$(python -c "from real_data import study; print(study.load_plan('$plan').ou
 if [ -f "$dest/choices.json" ]; then cp "$dest/choices.json" "$out/choices.json"; fi
 tar -czf "$out/logs.tar.gz" -C "$out" logs && rm -rf "$out/logs"
 ls -la "$out"
+# a device that returns a bounded number of files and bytes drops what exceeds them; the
+# finished runs first, then the partial groups (large: their checkpoints) are what to keep
+echo "OUTDIR holds $(find "$out" -type f | wc -l) files, $(du -sm "$out" | cut -f1) MiB"

@@ -233,6 +233,9 @@ class _Runner:
         with torch.cuda.stream(side):
             for _ in range(3):
                 self.step()
+                # every warm-up step reads step 0's minibatch: a round of fewer than 3 local
+                # steps has no column 1 or 2 to index (load() resets the buffers afterwards)
+                self.s.zero_()
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):

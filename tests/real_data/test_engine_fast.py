@@ -237,6 +237,23 @@ def test_cuda_graph_path_matches_sequential_fp32(kind, monkeypatch):
 
 @pytest.mark.gpu
 @cuda
+@pytest.mark.parametrize("steps", [1, 2])
+def test_cuda_graph_path_with_fewer_local_steps_than_the_capture_warmup(steps):
+    """The capture warms up with 3 steps; a round of 1 or 2 local steps (K = 2 in the P3 plan)
+    has no minibatch column to read for the third: the graph path still runs and agrees."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = _model("vit", dtype=torch.float32, dim=32, heads=4, mlp_dim=64)
+    fast.clear_cache()
+    job = _job(model, spec=MOMENTUM, clients=5, device="cuda", steps=steps)
+    out = fast.train_fast(job)
+    torch.cuda.synchronize()
+    assert fast._CACHE and next(iter(fast._CACHE.values())).graph is not None
+    _assert_close(out, train_sequential(job), rtol=2e-4)
+    fast.clear_cache()
+
+
+@pytest.mark.gpu
+@cuda
 @pytest.mark.parametrize("kind, compile", [("vit", False), ("vit", True), ("char", True)])
 def test_cuda_graph_path_bf16_close_to_sequential(kind, compile):
     """bf16 autocast (the Triton attention kernels apply; compiled or not): both engines round
