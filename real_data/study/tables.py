@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from linattn.errors import DataError
 from linattn.configio import load_yaml
 from linattn.fileio import atomic_path, atomic_write_text
 from real_data.study.plan import (
@@ -50,16 +51,27 @@ def _read_metrics(run_dir: Path) -> dict[str, np.ndarray]:
     return out
 
 
+def _snapshot_params(path: Path) -> dict:
+    """A snapshot's global parameters; a file that does not load (a run folder unpacked from
+    an archive missing its last part, say) is a :class:`DataError` naming it."""
+    import torch  # only here: the study's other commands do not need it
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)["global_params"]
+    except Exception as exc:  # noqa: BLE001 - truncated zip, garbage, a foreign pickle
+        first = (str(exc).strip().splitlines() or [""])[0][:120]
+        raise DataError(f"{path}: not a readable snapshot ({type(exc).__name__}: {first}); "
+                        "unpack its run again from a complete archive, or remove the run's "
+                        "folder so that the study trains it again") from None
+
+
 def kernel_deviation(snapshot_a: Path, snapshot_b: Path, heads: int) -> float:
     """sqrt(sum over layers and heads of ||M_h - M'_h||_F^2), M_h = W_q[h]^T W_k[h].
 
     The kernel between tokens a and b in head h is a^T W_q[h]^T W_k[h] b (rows of the q and k
     projections split by head), so M_h is the attention kernel of THEORY.md per head.
     """
-    import torch  # only here: the study's other commands do not need it
-
-    pa = torch.load(snapshot_a, map_location="cpu", weights_only=False)["global_params"]
-    pb = torch.load(snapshot_b, map_location="cpu", weights_only=False)["global_params"]
+    pa, pb = _snapshot_params(snapshot_a), _snapshot_params(snapshot_b)
     total = 0.0
     for name in sorted(pa):
         if not name.endswith("attn.q.weight"):

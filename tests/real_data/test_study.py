@@ -749,3 +749,17 @@ def test_gpu_seconds_count_a_shared_gpu_once(tmp_path, monkeypatch):
     res = run_cli("study", "--plan", str(tmp_path / "plan.yaml"), "--out", str(tmp_path / "o"),
                   "--estimate", "--pace-workers", "0")
     assert res.returncode == 2 and "--pace-workers=0" in res.stderr
+
+
+def test_an_unreadable_snapshot_is_a_data_error_naming_it(tmp_path):
+    """A run folder unpacked from an archive that lost its last part ends in a truncated
+    checkpoint: the tables stop with the file's name and the fix, not a zip traceback."""
+    from real_data.study import tables
+
+    good = tmp_path / "round_0.pt"
+    torch.save({"global_params": {}}, good)
+    bad = tmp_path / "round_160.pt"
+    bad.write_bytes(good.read_bytes()[:40])
+    with pytest.raises(DataError, match=r"round_160\.pt: not a readable snapshot.*trains it"):
+        tables.kernel_deviation(good, bad, 2)
+    assert tables.kernel_deviation(good, good, 2) == 0.0
