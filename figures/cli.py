@@ -4,8 +4,9 @@
     linattn figure N [--quick] [--out DIR] [--real-data RUNS_DIR] [--threads N] [--cache DIR]
 
 ``reproduce`` runs the theory and simulation checks P1-P6 (``simulations.validate``), draws
-figures 1-6 and 8-10 (and 7 with ``--real-data``, and 11 where that folder holds a freeze-rule
-study's ``rule_regret.json``) into DIR (default ``figures/out/`` under the
+figures 1-6 and 8-10 (and 7 with ``--real-data``, 11 where that folder holds a freeze-rule
+study's ``rule_regret.json``, 12 where it holds a ``t0_choice.csv`` with the sweeps' settings)
+into DIR (default ``figures/out/`` under the
 current directory) and writes DIR/report.md with every prediction, its criterion, the numbers
 and PASS or FAIL. Intermediate results are cached in DIR/.cache, so a second call redraws in
 seconds. It needs no GPU and no download. The router (``linattn/cli.py``) passes argv with
@@ -26,7 +27,7 @@ from figures.common import FigureError
 MODULES = {1: "fig1_bias_drift", 2: "fig2_final_error", 3: "fig3_optimal_warmup",
            4: "fig4_frozen_floor", 5: "fig5_bound", 6: "fig6_gradient_jumps",
            7: "fig7_real_data", 8: "fig8_partitions", 9: "fig9_schedules",
-           10: "fig10_shift_map", 11: "fig11_freeze_timing"}
+           10: "fig10_shift_map", 11: "fig11_freeze_timing", 12: "fig12_p3_real"}
 SIMULATED = (1, 2, 3, 4, 5, 6)  # the figures drawn from the validation result
 
 
@@ -38,7 +39,8 @@ class _Parser(argparse.ArgumentParser):
 DESCRIPTIONS = {
     "reproduce": "The main job: run the theory and simulation checks P1-P6, draw figures 1-6 "
                  "and 8-10 (and 7 from existing real-data runs with --real-data, 11 where that "
-                 "folder holds a freeze-rule report), and write "
+                 "folder holds a freeze-rule report, 12 where it holds a P3 study's T0 "
+                 "choices), and write "
                  "OUT/report.md with every prediction, its criterion, the numbers and PASS or "
                  "FAIL. Intermediate results are cached, so a second call redraws in seconds. "
                  "No GPU and no download needed.",
@@ -48,7 +50,9 @@ DESCRIPTIONS = {
               "data (needs --real-data), 8 partitions, 9 step-size decay and freezing, 10 "
               "where freezing pays (covariate shift x teacher heterogeneity), 11 when to freeze on "
               "real data: accuracy against T0 with each online rule's choice (needs "
-              "--real-data: a freeze-rule study's export folder).",
+              "--real-data: a freeze-rule study's export folder), 12 P3 on real networks: "
+              "the validation-selected T0 along K and the step size against the exact "
+              "model's direction (needs --real-data: a P3 study's export folder).",
 }
 
 
@@ -62,7 +66,8 @@ def _parser(command: str) -> argparse.ArgumentParser:
                      help="output folder (default: figures/out under the current directory)")
     top.add_argument("--real-data", type=Path, default=None, metavar="RUNS_DIR",
                      help="folder of real-data run directories (a study's out_dir): figure 7; "
-                          "figure 11: a freeze-rule study's export folder or out_dir")
+                          "figure 11: a freeze-rule study's export folder or out_dir; "
+                          "figure 12: a P3 study's export folder or out_dir")
     top.add_argument("--threads", type=int, default=2, metavar="N",
                      help="torch threads (default 2)")
     top.add_argument("--cache", type=Path, default=None, metavar="DIR",
@@ -72,7 +77,7 @@ def _parser(command: str) -> argparse.ArgumentParser:
 
 def _draw(number: int, result, grid, out_dir, cache_dir, real_data):
     module = importlib.import_module(f"figures.{MODULES[number]}")
-    if number in (7, 11):
+    if number in (7, 11, 12):
         return module.make(real_data, out_dir)
     if number == 8:
         return module.make(out_dir)
@@ -123,7 +128,10 @@ def reproduce(args, command: str) -> int:
     if args.real_data is not None:  # figure 11 where the folder holds a freeze-rule report
         from figures.fig11_freeze_timing import has_report
 
+        from figures.fig12_p3_real import has_choices
+
         numbers += [11] if has_report(args.real_data) else []
+        numbers += [12] if has_choices(args.real_data) else []
     figures = []
     for number in numbers:
         fig = step(f"figure {number} ({MODULES[number]})",
@@ -151,6 +159,9 @@ def figure(args) -> int:
     if args.number == 11 and args.real_data is None:
         raise FigureError("figure 11 reads a freeze-rule study's tables: give --real-data DIR "
                           "(e.g. docs/study/freeze_rules)")
+    if args.number == 12 and args.real_data is None:
+        raise FigureError("figure 12 reads a P3 study's T0 choices: give --real-data DIR "
+                          "(e.g. docs/study/p3)")
     set_threads(args.threads)
     grid = grid_for(args.quick)
     cache_dir = cache_dir_for(args.out, args.cache)

@@ -522,7 +522,7 @@ def _study(argv: list[str]) -> int:
             rows = study.aggregate(plan, runs)
             for folder in [plan.out_dir / "tables", *([args.export] if args.export else [])]:
                 paths = study.write_tables(rows, folder, runs)
-                paths += study.write_t0_choice(runs, folder)  # runs with a validation split
+                paths += study.write_t0_choice(runs, folder, plan)  # runs with a validation split
                 if stage == "final":
                     paths += study.write_comparison(
                         runs, folder, bases=study.base_arms(plan),
@@ -708,7 +708,7 @@ def _study_profile(args, full, shard) -> int:
     choice = study.chosen_t0(study.run_rows(plan))
     for folder in [plan.out_dir / "tables", *([args.export] if args.export else [])]:
         paths = study.write_kernel_profile(rows, folder, budget, choice)
-        paths += study.write_t0_choice(study.run_rows(plan), folder)
+        paths += study.write_t0_choice(study.run_rows(plan), folder, plan)
         print(f"wrote {', '.join(str(p) for p in paths)}")
     return 0
 

@@ -670,12 +670,41 @@ def t0_choice_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
-def write_t0_choice(runs: list[dict], out_dir: Path) -> list[Path]:
+SETTING_KEYS = ("attention", "local_steps", "lr", "momentum", "optimizer", "partition",
+                "num_clients", "clients_per_round", "rounds", "model_dim")
+
+
+def sweep_settings(plan: Plan) -> dict[tuple, dict]:
+    """(sweep, alpha, arm) -> the setting its T0 choice is made in (:data:`SETTING_KEYS`):
+    attention kind, K, lr, momentum, optimizer, partition scheme, clients (all and per round),
+    T and the model's width, read from the resolved config of the arm's first run, so a
+    figure can place each choice on the axis its sweep varies."""
+    out = {}
+    for spec in plan_runs(plan):
+        key = (spec.sweep.name, spec.alpha, spec.arm.name)
+        if key in out or spec.warmup_rounds is None:
+            continue
+        cfg = run_config(spec, spec.warmup_rounds)
+        t, params = cfg.train, cfg.model.params
+        out[key] = {"attention": getattr(params, "attention", None), "local_steps": t.local_steps,
+                    "lr": t.lr, "momentum": t.momentum, "optimizer": t.optimizer,
+                    "partition": cfg.partition.scheme, "num_clients": cfg.partition.num_clients,
+                    "clients_per_round": t.clients_per_round or cfg.partition.num_clients,
+                    "rounds": t.rounds, "model_dim": getattr(params, "dim", None)}
+    return out
+
+
+def write_t0_choice(runs: list[dict], out_dir: Path, plan: Plan | None = None) -> list[Path]:
     """``t0_choice.{csv,md}`` (:func:`chosen_t0`) when some T0 run has a validation score;
-    nothing otherwise."""
+    nothing otherwise. With ``plan``, each row also holds its sweep's setting
+    (:func:`sweep_settings`)."""
     rows = chosen_t0(runs)
     if not rows:
         return []
+    if plan is not None:
+        settings = sweep_settings(plan)
+        rows = [{**r, **settings.get((r["sweep"], r["alpha"], r["arm"]),
+                                     dict.fromkeys(SETTING_KEYS))} for r in rows]
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / "t0_choice.csv", out_dir / "t0_choice.md"]
     write_csv([{**r, "t0_grid": " ".join(map(str, r["t0_grid"]))} for r in rows], paths[0])

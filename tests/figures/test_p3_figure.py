@@ -1,0 +1,97 @@
+"""Figure 12 (P3 on real networks) from a study's exported T0 choices, and the settings the
+export writes for it."""
+
+import csv
+
+import pytest
+
+from linattn.cli import main
+
+HEADER = ["sweep", "alpha", "arm", "n_seeds", "t0_grid", "chosen_t0", "metric", "chosen_mean",
+          "t0_low", "t0_high", "share_chosen", "test_score", "n_boot", "level", "attention",
+          "local_steps", "lr", "momentum", "optimizer", "partition", "num_clients",
+          "clients_per_round", "rounds", "model_dim"]
+
+
+def _row(sweep, alpha, t0, lo, hi, attention, k, lr, momentum=0.0, partition="dirichlet",
+         clients=50, per_round=50, dim=64):
+    return [sweep, alpha, "fedfrozen", 3, "0 5 10 20 40 80 120 160 200", t0, "val_score", 0.7,
+            lo, hi, 0.9, 0.69, 2000, 0.95, attention, k, lr, momentum, "sgd", partition,
+            clients, per_round, 200, dim]
+
+
+def _export(folder, rows):
+    folder.mkdir()
+    with open(folder / "t0_choice.csv", "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(HEADER)
+        w.writerows(rows)
+    return folder
+
+
+def test_figure_12_places_every_choice_on_its_axis(tmp_path, capsys):
+    rows = [_row("lin_K2", 0.1, 200, 160, 200, "linear", 2, 0.2),
+            _row("lin_K10", 0.1, 160, 160, 200, "linear", 10, 0.2),
+            _row("lin_K40", 0.1, 80, 40, 120, "linear", 40, 0.2),
+            _row("lin_K10_iid", "", 200, 200, 200, "linear", 10, 0.2, partition="iid"),
+            _row("sm_lr005", 0.1, 200, 200, 200, "softmax", 10, 0.05),
+            _row("sm_lr05", 0.1, 120, 80, 160, "softmax", 10, 0.5),
+            _row("lin_mom09", 0.1, 160, 120, 200, "linear", 10, 0.02, momentum=0.9),
+            _row("lin_xdev", 0.1, 120, 80, 160, "linear", 10, 0.2, clients=200, per_round=20),
+            _row("lin_large", 0.1, 160, 160, 200, "linear", 10, 0.2, dim=192)]
+    folder = _export(tmp_path / "export", rows)
+    assert main(["figure", "12", "--real-data", str(folder), "--out", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    assert (tmp_path / "o" / "fig12_p3_real.png").stat().st_size > 10_000
+    assert "lin_K40: T0 = 80 [40, 120]" in out and "lin_mom09: T0 = 160 [120, 200]" in out
+    assert "step mapped as 0.05 lr / 0.2" in out  # the centre of the lr axis
+
+
+def test_theory_direction_falls_with_k_and_lr_and_is_t_without_heterogeneity():
+    from figures.fig12_p3_real import theory_t0
+
+    het = [theory_t0(k, 0.05, 200, 0.5) for k in (2, 10, 40)]
+    assert het == [188, 38, 14]  # the exact dynamics' argmin (recommend_warmup, no probe)
+    assert theory_t0(10, 0.0125, 200, 0.5) > theory_t0(10, 0.125, 200, 0.5)
+    assert theory_t0(10, 0.05, 200, 0.0) == 200
+
+
+def test_figure_12_without_settings_exits_2_naming_the_fix(tmp_path, capsys):
+    folder = tmp_path / "old"
+    folder.mkdir()
+    (folder / "t0_choice.csv").write_text("sweep,alpha,arm,chosen_t0\na,0.1,f,20\n")
+    assert main(["figure", "12", "--real-data", str(folder), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "no column attention" in err and "--export" in err
+    assert not (tmp_path / "o" / "fig12_p3_real.png").exists()
+    assert main(["figure", "12", "--out", str(tmp_path / "o")]) == 2
+    assert "give --real-data" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sweep, expect", [
+    ("lin_K2", {"attention": "linear", "local_steps": 2, "lr": 0.2, "momentum": 0.0}),
+    ("sm_lr05_iid", {"attention": "softmax", "local_steps": 10, "lr": 0.5, "partition": "iid"}),
+    ("lin_K10_xdev", {"num_clients": 200, "clients_per_round": 20}),
+    ("lin_K10_large", {"model_dim": 192, "rounds": 200})])
+def test_the_export_holds_each_sweeps_setting(sweep, expect):
+    from real_data import study
+    from real_data.study.tables import sweep_settings
+
+    plan = study.load_plan("p3")
+    plan = plan.__class__(**{**plan.__dict__,
+                             "sweeps": [s for s in plan.sweeps if s.name == sweep]})
+    settings = sweep_settings(plan)
+    alpha = None if sweep.endswith("_iid") else 0.1
+    got = settings[(sweep, alpha, "fedfrozen")]
+    assert {k: got[k] for k in expect} == expect
+
+
+def test_reproduce_draws_figure_12_only_where_the_folder_holds_the_settings(tmp_path):
+    from figures.fig12_p3_real import has_choices
+
+    folder = _export(tmp_path / "export", [_row("lin_K10", 0.1, 160, 160, 200, "linear",
+                                                10, 0.2)])
+    assert has_choices(folder)
+    (tmp_path / "runs" / "tables").mkdir(parents=True)
+    (tmp_path / "runs" / "tables" / "t0_choice.csv").write_text("sweep,alpha,chosen_t0\n")
+    assert not has_choices(tmp_path / "runs") and not has_choices(tmp_path / "missing")
