@@ -127,7 +127,6 @@ def reproduce(args, command: str) -> int:
     numbers = [*SIMULATED, 8, 9, 10] + ([7] if args.real_data is not None else [])
     if args.real_data is not None:  # figure 11 where the folder holds a freeze-rule report
         from figures.fig11_freeze_timing import has_report
-
         from figures.fig12_p3_real import has_choices
 
         numbers += [11] if has_report(args.real_data) else []

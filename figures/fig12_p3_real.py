@@ -29,8 +29,6 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-import numpy as np
-
 from figures.common import FigureError, FigureOutput, run_folder_standalone
 from figures.style import new_figure, save
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from linattn.errors import DataError
 from linattn.configio import load_yaml
+from linattn.errors import DataError
 from linattn.fileio import atomic_path, atomic_write_text
 from real_data.study.plan import (
     PERSONAL_METRICS,
