@@ -17,6 +17,9 @@
 # included), if any, and OUTDIR/choices.json is the tuning's choice, if made: carry them to the
 # next machine (the choice as --choices, so a restore there knows the final runs).
 # Archives an earlier call left in OUTDIR are removed once PARTIAL_ARCHIVE is restored.
+# PACK_PARTIAL=0: no archive of the unfinished groups (they hold every checkpoint, often far
+# larger than the finished runs; where what comes back from the machine is bounded, the
+# finished runs then come back whole, and the unfinished groups train again elsewhere).
 # Packing takes time after SECONDS (tens of seconds for large partial groups): a caller's own
 # time limit needs that margin.
 # Each worker (--shard k/n) takes the machine's cores divided by the n workers as its CPU
@@ -87,8 +90,10 @@ for p in "${wpids[@]}"; do wait "$p"; done
 kill "$monitor" 2>/dev/null
 echo "workers stopped after $(($(date +%s) - start)) s"
 python -m linattn study --plan "$plan" --list "$@" | awk '{print $1}' | sort | uniq -c
+partial=(--pack-partial "$out/partial_runs.tar.gz")
+if [ "${PACK_PARTIAL:-1}" = 0 ]; then partial=(); fi
 python -m linattn study --plan "$plan" --aggregate-only --no-tables \
-  --pack "$out/study_runs.tar.gz" --pack-partial "$out/partial_runs.tar.gz" \
+  --pack "$out/study_runs.tar.gz" "${partial[@]}" \
   --markers "$out/done_markers.tar.gz" "$@" | tail -3
 split -b 15M -d "$out/study_runs.tar.gz" "$out/study_runs.tar.gz.part" && rm "$out/study_runs.tar.gz"
 if [ -n "$(tar -tzf "$out/partial_runs.tar.gz" 2>/dev/null | head -n 1)" ]; then

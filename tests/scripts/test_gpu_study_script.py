@@ -61,8 +61,8 @@ def test_gpu_study_script_runs_packs_and_resumes_from_markers(tmp_path):
     plan_path = tmp_path / "plan.yaml"
     plan_path.write_text(yaml.safe_dump(plan_data))
 
-    def call(out: Path, **extra) -> subprocess.CompletedProcess:
-        return subprocess.run(["bash", str(SCRIPT), str(plan_path), "120", "1", str(out)],
+    def call(out: Path, seconds: int = 120, **extra) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(SCRIPT), str(plan_path), str(seconds), "1", str(out)],
                               cwd=ROOT, env={**env, **extra}, capture_output=True, text=True,
                               timeout=600)
 
@@ -125,6 +125,18 @@ def test_gpu_study_script_runs_packs_and_resumes_from_markers(tmp_path):
     assert "start " not in logs and "resumed 1" in logs, logs
     assert all(study._status(s.run_dir) == "completed" for s in specs)
     assert not list((tmp_path / "out3").glob("partial_runs*"))  # nothing left unfinished
+
+    # PACK_PARTIAL=0 with no time left to train: the unfinished group is not archived (its
+    # checkpoints would crowd out what comes back); by default it is
+    for s in family:
+        (s.run_dir / "summary.json").unlink()
+    for out, extra, archived in (("out4", {"PACK_PARTIAL": "0"}, False), ("out5", {}, True)):
+        res = call(tmp_path / out, seconds=10, **extra)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert "no time left for workers" in res.stdout
+        names = sorted(p.name for p in (tmp_path / out).iterdir())
+        assert any(n.startswith("partial_runs") for n in names) == archived, names
+        assert "study_runs.tar.gz.part00" in names and "done_markers.tar.gz" in names
 
 
 def test_gpu_study_script_stops_when_pretraining_fails(tmp_path):
