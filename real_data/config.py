@@ -183,7 +183,12 @@ class EvalConfig:
     ``finetune: true`` adds, at the last round, every client's local test accuracy after it
     fine-tunes the global model for one local round at ``train.lr`` (``local_ft_acc_*``), and
     with a validation split the fine-tuned models' accuracy on every client's own validation
-    samples (``local_ft_val_acc_micro``). With ``clients: true`` and a validation split every
+    samples (``local_ft_val_acc_micro``). ``finetune_lr_factors`` (default ``[1.0]``): the
+    fine-tuning step sizes tried, as factors of ``train.lr``; with more than one, each is
+    tried on the same minibatches, the one whose fine-tuned models score best on the clients'
+    own validation samples is kept (``local_ft_lr``; ties to the first listed) and only it is
+    scored on the test set, so it needs ``partition.validation_fraction``. With
+    ``clients: true`` and a validation split every
     evaluation also records ``local_val_acc_micro``: each client's evaluation model (its own
     under a personalized method) on its own validation samples."""
 
@@ -192,10 +197,15 @@ class EvalConfig:
     clients: bool = True
     test: bool = True
     finetune: bool = False
+    finetune_lr_factors: tuple[float, ...] = (1.0,)
 
     def __post_init__(self) -> None:
         if self.every < 1:
             raise ConfigError(f"eval.every={self.every} must be >= 1")
+        factors = self.finetune_lr_factors
+        if not factors or any(f <= 0 for f in factors) or len(set(factors)) < len(factors):
+            raise ConfigError(f"eval.finetune_lr_factors={list(factors)} must be a non-empty "
+                              "list of distinct factors > 0 of train.lr, e.g. [0.1, 0.3, 1.0]")
         if self.batch_size < 1:
             raise ConfigError(f"eval.batch_size={self.batch_size} must be >= 1")
 
@@ -299,6 +309,10 @@ def _config_from_dict(data: dict) -> Config:
     cfg = Config(name=check_name(check_value(data["name"], str, "name"), "name"), seed=seed,
                  **sections)
     t = cfg.train
+    if len(cfg.eval.finetune_lr_factors) > 1 and not cfg.partition.validation_fraction:
+        raise ConfigError(f"eval.finetune_lr_factors={list(cfg.eval.finetune_lr_factors)} "
+                          "chooses the fine-tuning step on the clients' validation samples: "
+                          "set partition.validation_fraction (e.g. 0.1), or give one factor")
     if t.clients_per_round is not None and t.clients_per_round > cfg.partition.num_clients:
         raise ConfigError(f"train.clients_per_round={t.clients_per_round} exceeds "
                           f"partition.num_clients={cfg.partition.num_clients}")

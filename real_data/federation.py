@@ -330,7 +330,9 @@ class Federation:
                 new_state.plateau.observe(g_eval["val_loss"], self.cfg.train.schedule)
             if self.cfg.eval.finetune and rnd == self.cfg.train.rounds and (
                     self.cfg.eval.test or self.x_val is not None):
-                ft, ft_val = self.finetuned_accuracy(new_state, rnd)
+                ft, ft_val, ft_lr = self.finetuned_accuracy(new_state, rnd)
+                if len(self.cfg.eval.finetune_lr_factors) > 1:
+                    g["local_ft_lr"] = ft_lr
                 if ft is not None:
                     records += [(rnd, str(m), "local_ft_acc", a) for m, a in enumerate(ft)]
                     sizes = np.array([len(ix) for ix in self.partition.test], dtype=np.float64)
@@ -512,40 +514,59 @@ class Federation:
         return correct / max(start, 1)
 
     def finetuned_accuracy(self, state: FedState, rnd: int
-                           ) -> tuple[np.ndarray | None, float | None]:
+                           ) -> tuple[np.ndarray | None, float | None, float]:
         """Every client's local test accuracy after fine-tuning the global model for one local
         round: all parameters, the run's optimizer at its base ``train.lr`` (not the schedule's
-        last, which is 0 at the end of a cosine), its K steps (or E epochs) on fresh minibatches
-        of its own training samples, the plain objective (no proximal term or control variate),
-        whatever the algorithm. The same budget for every algorithm and schedule, so "FedAvg +
-        fine-tuning" and "FedFrozen + fine-tuning" meet a personalized method such as FedTP on
-        its own metric. Returns the per-client test accuracies (None with ``eval.test`` false)
-        and the fine-tuned models' accuracy over all clients' own validation samples (None
-        without a validation split), what a tuning on the personalized score reads."""
+        last, which is 0 at the end of a cosine) times a factor of ``eval.finetune_lr_factors``,
+        its K steps (or E epochs) on fresh minibatches of its own training samples, the plain
+        objective (no proximal term or control variate), whatever the algorithm. The same
+        budget for every algorithm and schedule, so "FedAvg + fine-tuning" and "FedFrozen +
+        fine-tuning" meet a personalized method such as FedTP on its own metric. With several
+        factors each fine-tunes from the same start on the same minibatches and dropout draws;
+        the step whose models score best on the clients' own validation samples is kept (ties
+        to the first listed), and only its models are scored on the test set.
+
+        Returns the per-client test accuracies of the kept step (None with ``eval.test``
+        false), its fine-tuned models' accuracy over all clients' own validation samples (None
+        without a validation split), what a tuning on the personalized score reads, and the
+        kept step size."""
         from real_data.algorithms.fedavg import FedAvg, FedAvgParams
 
         plain = FedAvg(FedAvgParams(), self.algorithm.ctx)
         ids = np.arange(self.partition.num_clients)
         names = tuple(state.global_params)
-        lr = self.cfg.train.lr
-        job = LocalJob(
-            model=self.model, algorithm=plain, global_params=state.global_params,
-            trainable=names, batches=self.planner.plan(ids, rnd + 1), x=self.x_train,
-            y=self.y_train, optimizer=dataclasses.replace(self.optimizer, lr=lr),
-            client_ids=ids,
-            dropout_seed=int(np.random.SeedSequence([self.cfg.role_seed("training"), rnd, 1])
-                             .generate_state(1)[0]),
-            overrides={}, client_state={}, server_state=None, autocast=self.autocast)
-        results = self.train_job(job)
-        self.model.eval()
-        bs = self.cfg.eval.batch_size
+        seed = int(np.random.SeedSequence([self.cfg.role_seed("training"), rnd, 1])
+                   .generate_state(1)[0])
 
-        def own(m):
-            return {n: results.params[n][m] if n in results.params else v
-                    for n, v in state.global_params.items()}
+        def fine_tune(lr: float):
+            job = LocalJob(
+                model=self.model, algorithm=plain, global_params=state.global_params,
+                trainable=names, batches=self.planner.plan(ids, rnd + 1), x=self.x_train,
+                y=self.y_train, optimizer=dataclasses.replace(self.optimizer, lr=lr),
+                client_ids=ids, dropout_seed=seed, overrides={}, client_state={},
+                server_state=None, autocast=self.autocast)
+            results = self.train_job(job)
+            self.model.eval()
 
+            def own(m):
+                return {n: results.params[n][m] if n in results.params else v
+                        for n, v in state.global_params.items()}
+
+            val = None if self.x_val is None else self._own_validation_micro(own,
+                                                                               plain.forward)
+            return own, val
+
+        best = None
+        for factor in self.cfg.eval.finetune_lr_factors:
+            lr = factor * self.cfg.train.lr
+            own, val = fine_tune(lr)
+            if best is None or (val is not None and val > best[2]):
+                best = (lr, own, val)
+            own = None  # one step's client models at a time beside the best
+        lr, own, val = best
         acc = None
         if self.cfg.eval.test:
+            bs = self.cfg.eval.batch_size
             acc = np.zeros(len(ids))
             for m, test_idx in enumerate(self.partition.test):
                 if not len(test_idx):
@@ -555,8 +576,7 @@ class Federation:
                 _, h = evaluate(lambda xb, p=p: plain.forward(self.model, p, xb),
                                 self.x_test[ix], self.y_test[ix], bs, self.autocast)
                 acc[m] = float(h.mean())
-        val = None if self.x_val is None else self._own_validation_micro(own, plain.forward)
-        return acc, val
+        return acc, val, lr
 
     def _step_flops(self, trainable: tuple[str, ...], stage: str = "full") -> int:
         # keyed by stage too: an algorithm may change its forward between stages (FedSQ)

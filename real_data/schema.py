@@ -57,6 +57,8 @@ def check_value(value: Any, tp, key: str) -> Any:
             return dict(value)
     elif origin is tuple:
         args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis and isinstance(value, list | tuple):
+            return tuple(check_value(v, args[0], key) for v in value)
         if isinstance(value, list | tuple) and len(value) == len(args):
             return tuple(check_value(v, a, key) for v, a in zip(value, args))
     raise ConfigError(f"{key}={value!r} has the wrong type; expected {_describe(tp)}")

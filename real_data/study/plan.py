@@ -254,13 +254,16 @@ def _plan(raw, path: Path, out_dir) -> Plan:
     sweeps = tuple(_sweep(sw, f"sweeps[{i}]", seeds) for i, sw in enumerate(raw["sweeps"]))
     names = [sw.name for sw in sweeps]
     _require(len(set(names)) == len(names), "sweeps", "sweep names must be unique")
+    tune = _tune(raw["tune"]) if "tune" in raw else None
+    # a tuned plan's runs hold out validation (the tuning's share), so they are checked so
+    held = [f"partition.validation_fraction={tune.validation_fraction}"] if tune else []
     for i, sw in enumerate(sweeps):  # a personal score needs a personal metric in every arm
         if sw.score != "personal":
             continue
         for arm in sw.arms:
             t0 = [f"algorithm.warmup_rounds={max(arm.warmup_rounds)}", "algorithm.warmup=fixed"
                   ] if arm.warmup_rounds else []
-            cfg = load_config(sw.config, [*sw.overrides, *arm.overrides, *t0])
+            cfg = load_config(sw.config, [*sw.overrides, *arm.overrides, *t0, *held])
             _require(cfg.eval.clients or cfg.eval.finetune, f"sweeps[{i}].score", "personal "
                      f"needs every client's own model evaluated: arm {arm.name} sets neither "
                      "eval.clients=true nor eval.finetune=true")
@@ -291,7 +294,6 @@ def _plan(raw, path: Path, out_dir) -> Plan:
     _require(len(set(names)) == len(names), "pretrain", "job names must be unique")
     given = out_dir if out_dir is not None else raw.get("out_dir", f"runs/study-{name}")
     _require(isinstance(given, str | Path) and str(given), "out_dir", "must be a folder path")
-    tune = _tune(raw["tune"]) if "tune" in raw else None
     if tune is not None:
         for sw in sweeps:
             _require(tune.seed not in sw.seeds, "tune.seed", f"{tune.seed} is one of sweep "

@@ -81,3 +81,45 @@ def test_finetuned_accuracy_equals_a_plain_loop(digits64, schedule):
     sizes = np.array([len(t) for t in part.test], dtype=float)
     micro = next(v for r, c, key, v in records if key == "local_ft_acc_micro")
     assert micro == pytest.approx(sum(got[m] * sizes[m] for m in range(3)) / sizes.sum())
+
+
+def test_finetune_step_is_chosen_on_validation_and_only_it_is_tested(digits64):
+    """eval.finetune_lr_factors: each factor fine-tunes on the same minibatches; the run keeps
+    the step whose models score best on the clients' own validation samples, and its test
+    accuracies are those of a run given that factor alone."""
+    from real_data.data.partition import carve_validation
+
+    part = carve_validation(random_partition(digits64, 3, seed=2, alpha=0.5), 0.2)
+    base = ("algorithm.name=fedavg", "train.precision=fp64", "train.optimizer=sgd", "train.lr=0.1",
+            "train.local_steps=3", "train.rounds=2", "eval.finetune=true",
+            "partition.validation_fraction=0.2")
+    factors = (0.01, 1.0, 4.0)
+
+    def last_round(*extra):
+        fed = federation(tiny_config(*base, *extra), digits64, part)
+        state = fed.initial_state()
+        for rnd in (1, 2):
+            state, records = fed.run_round(state, rnd)
+        glob = {k: v for r, c, k, v in records if c == "global"}
+        return glob, {int(c): v for r, c, k, v in records if k == "local_ft_acc"}
+
+    alone = {f: last_round(f"eval.finetune_lr_factors=[{f}]") for f in factors}
+    vals = {f: g["local_ft_val_acc_micro"] for f, (g, _) in alone.items()}
+    assert len(set(vals.values())) > 1  # the factors differ on validation here
+    best = max(factors, key=lambda f: (vals[f], -factors.index(f)))
+    glob, per_client = last_round("eval.finetune_lr_factors=[0.01, 1.0, 4.0]")
+    assert glob["local_ft_lr"] == pytest.approx(0.1 * best, rel=1e-12)
+    assert glob["local_ft_val_acc_micro"] == pytest.approx(vals[best], abs=1e-12)
+    assert glob["local_ft_acc_micro"] == pytest.approx(alone[best][0]["local_ft_acc_micro"],
+                                                       abs=1e-12)
+    assert per_client == pytest.approx(alone[best][1], abs=1e-12)
+    assert "local_ft_lr" not in alone[best][0]  # one factor: nothing chosen, nothing recorded
+
+
+@pytest.mark.parametrize("value, match", [
+    ("[]", "non-empty"), ("[0.1, -1.0]", "> 0"), ("[1.0, 1.0]", "distinct"),
+    ("[0.1, 1.0]", "partition.validation_fraction")])
+def test_finetune_lr_factors_bad_input_names_the_key(value, match):
+    with pytest.raises(ConfigError, match=match) as info:
+        tiny_config("eval.finetune=true", f"eval.finetune_lr_factors={value}")
+    assert "eval.finetune_lr_factors" in str(info.value)
