@@ -309,10 +309,6 @@ def _config_from_dict(data: dict) -> Config:
     cfg = Config(name=check_name(check_value(data["name"], str, "name"), "name"), seed=seed,
                  **sections)
     t = cfg.train
-    if len(cfg.eval.finetune_lr_factors) > 1 and not cfg.partition.validation_fraction:
-        raise ConfigError(f"eval.finetune_lr_factors={list(cfg.eval.finetune_lr_factors)} "
-                          "chooses the fine-tuning step on the clients' validation samples: "
-                          "set partition.validation_fraction (e.g. 0.1), or give one factor")
     if t.clients_per_round is not None and t.clients_per_round > cfg.partition.num_clients:
         raise ConfigError(f"train.clients_per_round={t.clients_per_round} exceeds "
                           f"partition.num_clients={cfg.partition.num_clients}")

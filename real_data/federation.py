@@ -353,6 +353,11 @@ class Federation:
         from real_data.models.layers import Attention
 
         algo, name = self.algorithm, self.cfg.algorithm.name
+        factors = self.cfg.eval.finetune_lr_factors
+        if self.cfg.eval.finetune and len(factors) > 1 and self.x_val is None:
+            raise ConfigError(f"eval.finetune_lr_factors={list(factors)} chooses the "
+                              "fine-tuning step on the clients' validation samples: set "
+                              "partition.validation_fraction (e.g. 0.1), or give one factor")
         if algo.needs_validation and self.x_val is None:
             params = self.cfg.algorithm.params
             default = (" (algorithm.warmup=auto is the default where algorithm.warmup_rounds "

@@ -255,15 +255,13 @@ def _plan(raw, path: Path, out_dir) -> Plan:
     names = [sw.name for sw in sweeps]
     _require(len(set(names)) == len(names), "sweeps", "sweep names must be unique")
     tune = _tune(raw["tune"]) if "tune" in raw else None
-    # a tuned plan's runs hold out validation (the tuning's share), so they are checked so
-    held = [f"partition.validation_fraction={tune.validation_fraction}"] if tune else []
     for i, sw in enumerate(sweeps):  # a personal score needs a personal metric in every arm
         if sw.score != "personal":
             continue
         for arm in sw.arms:
             t0 = [f"algorithm.warmup_rounds={max(arm.warmup_rounds)}", "algorithm.warmup=fixed"
                   ] if arm.warmup_rounds else []
-            cfg = load_config(sw.config, [*sw.overrides, *arm.overrides, *t0, *held])
+            cfg = load_config(sw.config, [*sw.overrides, *arm.overrides, *t0])
             _require(cfg.eval.clients or cfg.eval.finetune, f"sweeps[{i}].score", "personal "
                      f"needs every client's own model evaluated: arm {arm.name} sets neither "
                      "eval.clients=true nor eval.finetune=true")

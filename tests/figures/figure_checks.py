@@ -69,7 +69,38 @@ def make_study(root: Path, rounds: int = 6) -> Path:
     write_run(root / "digits" / "fedprox" / "alpha=0.3/seed=0", {"name": "fedprox"}, rounds,
               lambda r: 0.1 * r, 0, summary_extra={"status": "running"})
     write_rule_export(root / "tables")  # a freeze-rule report, as aggregation writes it
+    write_t0_choice_export(root / "tables", [  # the T0 choices with their sweeps' settings
+        t0_choice_row("lin_K2", 0.1, 200, 160, 200, "linear", 2, 0.2),
+        t0_choice_row("lin_K10", 0.1, 160, 160, 200, "linear", 10, 0.2),
+        t0_choice_row("lin_lr05", 0.1, 120, 80, 160, "linear", 10, 0.5)])
     return root
+
+
+T0_CHOICE_HEADER = [
+    "sweep", "alpha", "arm", "n_seeds", "t0_grid", "chosen_t0", "metric", "chosen_mean",
+    "t0_low", "t0_high", "share_chosen", "test_score", "n_boot", "level", "attention",
+    "local_steps", "lr", "momentum", "optimizer", "partition", "num_clients",
+    "clients_per_round", "rounds", "model_dim"]
+
+
+def t0_choice_row(sweep, alpha, t0, lo, hi, attention, k, lr, momentum=0.0,
+                  partition="dirichlet", clients=50, per_round=50, dim=64) -> list:
+    """One row of ``t0_choice.csv`` as ``linattn study --export`` writes it (T = 200)."""
+    return [sweep, alpha, "fedfrozen", 3, "0 5 10 20 40 80 120 160 200", t0, "val_score", 0.7,
+            lo, hi, 0.9, 0.69, 2000, 0.95, attention, k, lr, momentum, "sgd", partition,
+            clients, per_round, 200, dim]
+
+
+def write_t0_choice_export(folder: Path, rows: list[list]) -> Path:
+    """``folder/t0_choice.csv`` holding ``rows`` (:func:`t0_choice_row`)."""
+    import csv
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "t0_choice.csv", "w", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(T0_CHOICE_HEADER)
+        writer.writerows(rows)
+    return folder
 
 
 RULES = ("auto", "perturbation", "norm_change", "norm_change_median", "kernel_stability",

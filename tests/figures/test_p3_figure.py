@@ -1,32 +1,16 @@
 """Figure 12 (P3 on real networks) from a study's exported T0 choices, and the settings the
 export writes for it."""
 
-import csv
-
 import pytest
+from figure_checks import t0_choice_row, write_t0_choice_export
 
 from linattn.cli import main
 
-HEADER = ["sweep", "alpha", "arm", "n_seeds", "t0_grid", "chosen_t0", "metric", "chosen_mean",
-          "t0_low", "t0_high", "share_chosen", "test_score", "n_boot", "level", "attention",
-          "local_steps", "lr", "momentum", "optimizer", "partition", "num_clients",
-          "clients_per_round", "rounds", "model_dim"]
-
-
-def _row(sweep, alpha, t0, lo, hi, attention, k, lr, momentum=0.0, partition="dirichlet",
-         clients=50, per_round=50, dim=64):
-    return [sweep, alpha, "fedfrozen", 3, "0 5 10 20 40 80 120 160 200", t0, "val_score", 0.7,
-            lo, hi, 0.9, 0.69, 2000, 0.95, attention, k, lr, momentum, "sgd", partition,
-            clients, per_round, 200, dim]
+_row = t0_choice_row
 
 
 def _export(folder, rows):
-    folder.mkdir()
-    with open(folder / "t0_choice.csv", "w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(HEADER)
-        w.writerows(rows)
-    return folder
+    return write_t0_choice_export(folder, rows)
 
 
 def test_figure_12_places_every_choice_on_its_axis(tmp_path, capsys):

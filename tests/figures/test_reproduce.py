@@ -98,7 +98,9 @@ def test_real_data_figure_reads_the_study(quick_run):
 @pytest.mark.parametrize("argv, message", [
     (["reproduce", "--real-data", "/no/such/folder"], "--real-data"),
     (["figure", "7"], "--real-data"),
-    (["figure", "12"], "invalid choice"),
+    (["figure", "13"], "invalid choice"),
+    (["figure", "12"], "--real-data"),
+    (["figure", "12", "--real-data", "/no/such/folder"], "no such folder"),
     (["figure", "11"], "--real-data"),
     (["figure", "11", "--real-data", "/no/such/folder"], "no such folder"),
     (["reproduce", "--threads", "0", "--quick"], "--threads"),

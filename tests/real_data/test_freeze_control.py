@@ -117,9 +117,24 @@ def test_finetune_step_is_chosen_on_validation_and_only_it_is_tested(digits64):
 
 
 @pytest.mark.parametrize("value, match", [
-    ("[]", "non-empty"), ("[0.1, -1.0]", "> 0"), ("[1.0, 1.0]", "distinct"),
-    ("[0.1, 1.0]", "partition.validation_fraction")])
+    ("[]", "non-empty"), ("[0.1, -1.0]", "> 0"), ("[1.0, 1.0]", "distinct")])
 def test_finetune_lr_factors_bad_input_names_the_key(value, match):
     with pytest.raises(ConfigError, match=match) as info:
         tiny_config("eval.finetune=true", f"eval.finetune_lr_factors={value}")
     assert "eval.finetune_lr_factors" in str(info.value)
+
+
+def test_several_finetune_steps_without_a_validation_split_stop_the_run(digits, tmp_path):
+    """Choosing among fine-tuning steps reads the clients' validation samples: a run without
+    a validation split stops at its start (exit 2 from the command line), nothing written."""
+    from linattn.cli import main
+
+    cfg = tiny_config("algorithm.name=fedavg", "eval.finetune=true",
+                      "eval.finetune_lr_factors=[0.1, 1.0]")
+    with pytest.raises(ConfigError, match="partition.validation_fraction"):
+        federation(cfg, digits, random_partition(digits, 3, seed=2, alpha=0.5))
+    out = tmp_path / "runs"
+    assert main(["run", "--config", "digits_vit", "--out", str(out), "algorithm.name=fedavg",
+                 "eval.finetune=true", "eval.finetune_lr_factors=[0.1, 1.0]",
+                 "train.rounds=1", "model.depth=1"]) == 2
+    assert not out.exists()
