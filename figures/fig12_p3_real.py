@@ -12,8 +12,10 @@ model width). Two panels, T0 / T on the vertical axis:
 - right, along the step size at the centre K; a momentum run sits at its effective step
   lr / (1 - momentum).
 
-The centre is the median of the distinct values of the other axis (the P3 plan's K = 10 and
-lr = 0.2). The theory's curves are the exact population dynamics' argmin over every T0 in 0..T
+The axes cross at the (K, lr) pair with the most plain-SGD rows (the P3 plan's K = 10 and
+lr = 0.2, where its K sweep and lr sweep meet). Rows of another optimizer, of a partition other
+than Dirichlet or IID, or with a setting missing are not placed, and the caption lists only the
+placed ones. The theory's curves are the exact population dynamics' argmin over every T0 in 0..T
 (:func:`linattn_theory.warmup.recommend_warmup`, no probe) on the reference problem
 ``make_problem()`` (d = 8, 10 clients) with teacher heterogeneity 0.5 (for Dirichlet) and 0
 (for IID), the same K and T, and the step size mapped by its ratio to the centre:
@@ -45,13 +47,15 @@ def _find(folder: Path) -> Path | None:
 
 
 def has_choices(folder: Path) -> bool:
-    """``folder`` (or its ``tables/``) holds a ``t0_choice.csv`` with the sweeps' settings."""
+    """``folder`` (or its ``tables/``) holds a ``t0_choice.csv`` with at least one choice this
+    figure places: plain SGD (momentum 0), a Dirichlet or IID partition, every setting given."""
     path = _find(Path(folder)) if Path(folder).is_dir() else None
     if path is None:
         return False
-    with open(path, newline="") as fh:
-        header = next(csv.reader(fh), [])
-    return all(k in header for k in SETTING)
+    try:
+        return bool(layout(load(Path(folder)))["points"])
+    except FigureError:
+        return False
 
 
 def _num(value: str):
@@ -89,9 +93,62 @@ def load(folder: Path) -> list[dict]:
     return rows
 
 
-def _centre(values) -> float:
-    distinct = sorted(set(values))
-    return distinct[len(distinct) // 2]
+NEEDED = ("chosen_t0", "t0_low", "t0_high", "local_steps", "lr", "rounds")
+
+
+def placeable(rows: list[dict]) -> list[dict]:
+    """The rows this figure can place: SGD, a Dirichlet or IID partition and every value of
+    :data:`NEEDED` given (a momentum row too: it sits at its effective step)."""
+    return [r for r in rows if r.get("optimizer", "sgd") == "sgd"
+            and r.get("partition") in ("dirichlet", "iid")
+            and all(isinstance(r.get(k), int | float) for k in NEEDED)
+            and isinstance(r.get("momentum") or 0.0, int | float)]
+
+
+def _centre(plain: list[dict]) -> tuple:
+    """(K, lr) of the axes' crossing: the pair with the most plain-SGD rows (the P3 plan's
+    K = 10 and lr = 0.2, where the K sweep and the lr sweep meet; ties to the smaller pair)."""
+    counts: dict[tuple, int] = {}
+    for r in plain:
+        key = (r["local_steps"], r["lr"])
+        counts[key] = counts.get(key, 0) + 1
+    return max(sorted(counts), key=lambda k: counts[k])
+
+
+def layout(rows: list[dict]) -> dict:
+    """Where each placeable row goes: ``{"centre": (K, lr), "dim", "clients_per_round",
+    "points": [{"sweep", "axis" ("K" or "lr"), "x", "t", "lo", "hi", "iid", "kind"}]}``;
+    ``t``, ``lo``, ``hi`` are T0 / T (the interval widened to hold the choice). A row goes on
+    the K axis at the centre lr (plain SGD), on the lr axis at the centre K (its effective
+    step lr / (1 - momentum) with momentum); a cross-device row (fewer clients a round than
+    the centre's) or a wider model (``model_dim`` above the smallest) only on the K axis."""
+    rows = placeable(rows)
+    plain = [r for r in rows if not r.get("momentum")]
+    if not plain:
+        return {"centre": None, "points": []}
+    k_c, lr_c = _centre(plain)
+    dims = [r["model_dim"] for r in plain if isinstance(r.get("model_dim"), int)]
+    dim_c = min(dims) if dims else None
+    cprs = [r["clients_per_round"] for r in plain
+            if isinstance(r.get("clients_per_round"), int)]
+    cpr_c = max(cprs) if cprs else None
+    points = []
+    for r in rows:
+        momentum = r.get("momentum") or 0.0
+        main = r.get("model_dim") in (None, dim_c) and r.get("clients_per_round") in (None,
+                                                                                     cpr_c)
+        kind = ("momentum" if momentum else "main" if main else
+                "cross-device" if r.get("clients_per_round") not in (None, cpr_c) else "wide")
+        t, lo, hi = (r[k] / r["rounds"] for k in ("chosen_t0", "t0_low", "t0_high"))
+        lo, hi = min(lo, t), max(hi, t)
+        base = {"sweep": r["sweep"], "t": t, "lo": lo, "hi": hi, "kind": kind, "row": r,
+                "iid": r["partition"] == "iid"}
+        if not momentum and r["lr"] == lr_c:
+            points.append({**base, "axis": "K", "x": r["local_steps"]})
+        if r["local_steps"] == k_c and (momentum or main):
+            points.append({**base, "axis": "lr", "x": r["lr"] / (1 - momentum)})
+    return {"centre": (k_c, lr_c), "dim": dim_c, "clients_per_round": cpr_c,
+            "points": points}
 
 
 def theory_t0(local_steps: int, lr: float, rounds: int, heterogeneity: float) -> int | None:
@@ -109,80 +166,79 @@ def theory_t0(local_steps: int, lr: float, rounds: int, heterogeneity: float) ->
         return None
 
 
-def _marker(row, centre_dim, centre_cpr) -> tuple[str, str, str]:
-    """(marker, colour, label) of a row's kind."""
-    iid = row["partition"] == "iid"
-    kind = "linear" if row["attention"] == "linear" else "softmax"
-    part = "IID" if iid else f"Dirichlet {row['alpha']}"
-    if row.get("clients_per_round") not in (None, row.get("num_clients")) \
-            and row["clients_per_round"] != centre_cpr:
-        return "^", "C2", f"{kind}, {part}, {row['clients_per_round']} of " \
-                          f"{row['num_clients']} clients a round"
-    if row.get("model_dim") not in (None, centre_dim):
-        return "D", "C3", f"{kind}, {part}, width {row['model_dim']}"
-    return ("o" if kind == "linear" else "s"), ("C0" if kind == "linear" else "C1"), \
-        f"{kind}, {part}"
+STYLE = {"main": ("o", "C0"), "cross-device": ("^", "C2"), "wide": ("D", "C3"),
+         "momentum": ("P", "C4")}
+
+
+def _label(p: dict) -> str:
+    r = p["row"]
+    part = "IID" if p["iid"] else f"Dirichlet {r['alpha']}"
+    text = f"{r['attention']}, {part}"
+    if p["kind"] == "cross-device":
+        text += f", {r['clients_per_round']} of {r['num_clients']} clients a round"
+    elif p["kind"] == "wide":
+        text += f", width {r['model_dim']}"
+    elif p["kind"] == "momentum":
+        text += f", momentum {r['momentum']:g} (at lr / (1 - momentum))"
+    return text
 
 
 def make(folder: Path, out_dir=None) -> FigureOutput:
-    rows = [r for r in load(folder) if r.get("optimizer", "sgd") == "sgd"]
-    plain = [r for r in rows if not r["momentum"]]
-    if not plain:
-        raise FigureError(f"--real-data {folder}: no plain-SGD T0 choice to place on the axes")
-    k_c, lr_c = _centre(r["local_steps"] for r in plain), _centre(r["lr"] for r in plain)
-    dims = [r["model_dim"] for r in plain if r.get("model_dim") is not None]
-    dim_c = min(dims) if dims else None
-    cprs = [r["clients_per_round"] for r in plain if r.get("clients_per_round") is not None]
-    cpr_c = max(cprs) if cprs else None
+    plan = layout(load(folder))
+    if not plan["points"]:
+        raise FigureError(f"--real-data {folder}: no T0 choice of plain SGD on a Dirichlet or "
+                          "IID partition with every setting given, to place on the axes")
+    k_c, lr_c = plan["centre"]
     fig, (k_ax, lr_ax) = new_figure(ncols=2, width=4.6, height=3.4)
-    seen, lines = set(), []
-    for r in rows:
-        on_k = not r["momentum"] and r["lr"] == lr_c
-        eff = r["lr"] / (1 - r["momentum"]) if r["momentum"] else r["lr"]
-        on_lr = r["local_steps"] == k_c and (r["momentum"] or (
-            r.get("model_dim") in (None, dim_c) and r.get("clients_per_round") in (None, cpr_c)))
-        marker, colour, label = _marker(r, dim_c, cpr_c)
-        if r["momentum"]:
-            marker, colour, label = "P", "C4", f"{label}, momentum {r['momentum']:g} " \
-                                               "(at lr / (1 - momentum))"
-        t, lo, hi = (r[k] / r["rounds"] for k in ("chosen_t0", "t0_low", "t0_high"))
+    axes = {"K": k_ax, "lr": lr_ax}
+    seen, drawn = set(), {}
+    for p in plan["points"]:
+        marker, colour = STYLE[p["kind"]]
+        if p["kind"] == "main" and p["row"]["attention"] != "linear":
+            marker, colour = "s", "C1"
+        label = _label(p)
+        ax = axes[p["axis"]]
         # Dirichlet a little left of its value, IID a little right: equal choices stay visible
-        shift = 1.06 if r["partition"] == "iid" else 1 / 1.06
-        for ax, x, go in ((k_ax, r["local_steps"], on_k), (lr_ax, eff, on_lr)):
-            if not go:
-                continue
-            ax.errorbar([x * shift], [t], yerr=[[t - lo], [hi - t]], fmt=marker, color=colour, ms=6,
-                        capsize=3, mfc="white" if r["partition"] == "iid" else colour,
-                        label=None if (ax, label) in seen else label)
-            seen.add((ax, label))
-        lines.append(f"{r['sweep']}: T0 = {r['chosen_t0']} [{r['t0_low']}, {r['t0_high']}]")
-    rounds = int(plain[0]["rounds"])
-    ks = sorted({r["local_steps"] for r in plain if r["lr"] == lr_c} | {k_c})
-    lrs = sorted({r["lr"] for r in plain if r["local_steps"] == k_c} | {lr_c})
+        x = p["x"] * (1.06 if p["iid"] else 1 / 1.06)
+        ax.errorbar([x], [p["t"]], yerr=[[p["t"] - p["lo"]], [p["hi"] - p["t"]]], fmt=marker,
+                    color=colour, ms=6, capsize=3, mfc="white" if p["iid"] else colour,
+                    label=None if (p["axis"], label) in seen else label)
+        seen.add((p["axis"], label))
+        r = p["row"]
+        drawn[p["sweep"]] = f"{p['sweep']}: T0 = {r['chosen_t0']} [{r['t0_low']}, {r['t0_high']}]"
+    rounds = int(plan["points"][0]["row"]["rounds"])
+    ticks = {a: sorted({p["x"] for p in plan["points"] if p["axis"] == a}
+                       | {k_c if a == "K" else lr_c}) for a in axes}
+    theory_x = {"K": sorted({p["x"] for p in plan["points"]
+                             if p["axis"] == "K" and p["kind"] == "main"} | {k_c}),
+                "lr": sorted({p["x"] for p in plan["points"]
+                              if p["axis"] == "lr" and p["kind"] == "main"} | {lr_c})}
     for het, style, name in ((0.5, "-", "exact model, heterogeneity 0.5"),
                              (0.0, "--", "exact model, IID (heterogeneity 0)")):
-        for ax, xs, point in ((k_ax, ks, lambda k: (k, THEORY_LR)),
-                              (lr_ax, lrs, lambda lr: (k_c, THEORY_LR * lr / lr_c))):
-            pts = [(x, theory_t0(*point(x), rounds, het)) for x in xs]
+        for a, point in (("K", lambda k: (k, THEORY_LR)),
+                         ("lr", lambda lr: (k_c, THEORY_LR * lr / lr_c))):
+            pts = [(x, theory_t0(*point(x), rounds, het)) for x in theory_x[a]]
             pts = [(x, y / rounds) for x, y in pts if y is not None]
             if pts:
-                ax.plot(*zip(*pts), style, color="0.3", lw=1.2, marker=".", label=name)
-    for ax, what, ticks in ((k_ax, f"local steps K (lr {lr_c:g})", ks),
-                            (lr_ax, f"step size lr (K = {k_c})", lrs)):
+                axes[a].plot(*zip(*pts), style, color="0.3", lw=1.2, marker=".", label=name)
+    for a, what in (("K", f"local steps K (lr {lr_c:g})"), ("lr", f"step size lr (K = {k_c})")):
+        ax = axes[a]
         ax.set_xscale("log")
-        ax.set_xticks(ticks, [f"{v:g}" for v in ticks])
+        ax.set_xticks(ticks[a], [f"{v:g}" for v in ticks[a]])
         ax.minorticks_off()
-        ax.set_xlim(min(ticks) / 1.6, max(ticks) * 1.6)
+        ax.set_xlim(min(ticks[a]) / 1.6, max(ticks[a]) * 1.6)
         ax.set_xlabel(what)
         ax.set_ylabel("chosen T0 / T (1: never frozen)")
         ax.set_ylim(-0.05, 1.05)
         ax.legend(fontsize=5.5, loc="lower left")
-    k_ax.set_title("P3 along K", fontsize=8)
-    lr_ax.set_title("P3 along the step size", fontsize=8)
+        values = {p["x"] for p in plan["points"] if p["axis"] == a and p["kind"] == "main"}
+        one = " (one value run)" if len(values) < 2 else ""
+        ax.set_title(f"P3 along {'K' if a == 'K' else 'the step size'}{one}", fontsize=8)
     paths = save(fig, NAME, out_dir, dpi=100)
     caption = ("P3 on real networks: the validation-selected T0 / T with its bootstrap "
                "interval over seeds, against the exact model's T0* / T (reference problem, "
-               f"step mapped as {THEORY_LR:g} lr / {lr_c:g}); " + "; ".join(lines) + ".")
+               f"step mapped as {THEORY_LR:g} lr / {lr_c:g}); " + "; ".join(drawn.values())
+               + ".")
     return FigureOutput(12, NAME, tuple(paths), caption)
 
 

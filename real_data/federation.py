@@ -331,8 +331,8 @@ class Federation:
             if self.cfg.eval.finetune and rnd == self.cfg.train.rounds and (
                     self.cfg.eval.test or self.x_val is not None):
                 ft, ft_val, ft_lr = self.finetuned_accuracy(new_state, rnd)
-                if len(self.cfg.eval.finetune_lr_factors) > 1:
-                    g["local_ft_lr"] = ft_lr
+                if tuple(self.cfg.eval.finetune_lr_factors) != (1.0,):
+                    g["local_ft_lr"] = ft_lr  # the step, where it is not the run's lr alone
                 if ft is not None:
                     records += [(rnd, str(m), "local_ft_acc", a) for m, a in enumerate(ft)]
                     sizes = np.array([len(ix) for ix in self.partition.test], dtype=np.float64)
@@ -348,7 +348,8 @@ class Federation:
 
     def _check_rule_inputs(self) -> None:
         """What the algorithm's round observation reads exists: the validation split, a probe
-        batch within it, and attention layers (ConfigError naming the key otherwise)."""
+        batch within it, and attention layers; and the validation split where the fine-tuning
+        chooses its step among several (ConfigError naming the key otherwise)."""
         from linattn.errors import ConfigError
         from real_data.models.layers import Attention
 
@@ -543,10 +544,12 @@ class Federation:
         seed = int(np.random.SeedSequence([self.cfg.role_seed("training"), rnd, 1])
                    .generate_state(1)[0])
 
+        batches = self.planner.plan(ids, rnd + 1)  # every step on the same minibatches
+
         def fine_tune(lr: float):
             job = LocalJob(
                 model=self.model, algorithm=plain, global_params=state.global_params,
-                trainable=names, batches=self.planner.plan(ids, rnd + 1), x=self.x_train,
+                trainable=names, batches=batches, x=self.x_train,
                 y=self.y_train, optimizer=dataclasses.replace(self.optimizer, lr=lr),
                 client_ids=ids, dropout_seed=seed, overrides={}, client_state={},
                 server_state=None, autocast=self.autocast)

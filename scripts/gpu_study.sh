@@ -93,7 +93,7 @@ python -m linattn study --plan "$plan" --list "$@" | awk '{print $1}' | sort | u
 partial=(--pack-partial "$out/partial_runs.tar.gz")
 if [ "${PACK_PARTIAL:-1}" = 0 ]; then partial=(); fi
 python -m linattn study --plan "$plan" --aggregate-only --no-tables \
-  --pack "$out/study_runs.tar.gz" "${partial[@]}" \
+  --pack "$out/study_runs.tar.gz" ${partial[@]+"${partial[@]}"} \
   --markers "$out/done_markers.tar.gz" "$@" | tail -3
 split -b 15M -d "$out/study_runs.tar.gz" "$out/study_runs.tar.gz.part" && rm "$out/study_runs.tar.gz"
 if [ -n "$(tar -tzf "$out/partial_runs.tar.gz" 2>/dev/null | head -n 1)" ]; then

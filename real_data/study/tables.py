@@ -57,12 +57,16 @@ def _snapshot_params(path: Path) -> dict:
     import torch  # only here: the study's other commands do not need it
 
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)["global_params"]
+        payload = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as exc:  # noqa: BLE001 - truncated zip, garbage, a foreign pickle
         first = (str(exc).strip().splitlines() or [""])[0][:120]
         raise DataError(f"{path}: not a readable snapshot ({type(exc).__name__}: {first}); "
                         "unpack its run again from a complete archive, or remove the run's "
                         "folder so that the study trains it again") from None
+    if not isinstance(payload, dict) or "global_params" not in payload:
+        raise DataError(f"{path}: not a linattn checkpoint (no global_params); a snapshot is "
+                        "a run's checkpoints/round_<t>.pt")
+    return payload["global_params"]
 
 
 def kernel_deviation(snapshot_a: Path, snapshot_b: Path, heads: int) -> float:

@@ -2,7 +2,7 @@
 export writes for it."""
 
 import pytest
-from figure_checks import t0_choice_row, write_t0_choice_export
+from figure_checks import T0_CHOICE_HEADER, t0_choice_row, write_t0_choice_export
 
 from linattn.cli import main
 
@@ -79,3 +79,46 @@ def test_reproduce_draws_figure_12_only_where_the_folder_holds_the_settings(tmp_
     (tmp_path / "runs" / "tables").mkdir(parents=True)
     (tmp_path / "runs" / "tables" / "t0_choice.csv").write_text("sweep,alpha,chosen_t0\n")
     assert not has_choices(tmp_path / "runs") and not has_choices(tmp_path / "missing")
+
+
+def test_layout_places_each_kind_on_its_axes():
+    from figures.fig12_p3_real import layout
+
+    rows = [dict(zip(T0_CHOICE_HEADER, r)) for r in (
+        _row("lin_K2", 0.1, 200, 160, 200, "linear", 2, 0.2),
+        _row("lin_K10", 0.1, 160, 160, 200, "linear", 10, 0.2),
+        _row("lin_K10_iid", None, 200, 200, 200, "linear", 10, 0.2, partition="iid"),
+        _row("lin_lr05", 0.1, 120, 140, 160, "linear", 10, 0.5),  # choice below its interval
+        _row("lin_mom09", 0.1, 160, 120, 200, "linear", 10, 0.02, momentum=0.9),
+        _row("lin_xdev", 0.1, 120, 80, 160, "linear", 10, 0.2, clients=200, per_round=20),
+        _row("lin_large", 0.1, 160, 160, 200, "linear", 10, 0.2, dim=192),
+        _row("shakespeare", None, 200, 200, 200, "softmax", 10, 0.2, partition="natural"),
+        _row("adam", 0.1, 200, 200, 200, "linear", 10, 0.001),
+        _row("broken", 0.1, None, 0, 200, "linear", 10, 0.2))]
+    rows[-2]["optimizer"] = "adam"
+    plan = layout(rows)
+    assert plan["centre"] == (10, 0.2)
+    where = {(p["sweep"], p["axis"]): p for p in plan["points"]}
+    assert {s for s, _ in where} == {"lin_K2", "lin_K10", "lin_K10_iid", "lin_lr05",
+                                     "lin_mom09", "lin_xdev", "lin_large"}
+    assert ("lin_K2", "K") in where and ("lin_K2", "lr") not in where
+    assert ("lin_K10", "K") in where and ("lin_K10", "lr") in where
+    assert where[("lin_mom09", "lr")]["x"] == pytest.approx(0.2)
+    assert ("lin_mom09", "K") not in where
+    for s in ("lin_xdev", "lin_large"):  # at K = 10 on the K axis only
+        assert where[(s, "K")]["x"] == 10 and (s, "lr") not in where
+    assert where[("lin_xdev", "K")]["kind"] == "cross-device"
+    assert where[("lin_large", "K")]["kind"] == "wide"
+    assert where[("lin_K10_iid", "K")]["iid"] and not where[("lin_K10", "K")]["iid"]
+    p = where[("lin_lr05", "lr")]
+    assert (p["lo"], p["t"], p["hi"]) == (0.6, 0.6, 0.8)  # widened to hold the choice
+
+
+def test_a_study_without_a_placeable_choice_has_no_figure_12(tmp_path):
+    from figures.fig12_p3_real import has_choices
+
+    folder = _export(tmp_path / "mom", [
+        _row("mom", 0.1, 100, 50, 150, "softmax", 10, 0.05, momentum=0.9),
+        _row("shakespeare", None, 200, 200, 200, "softmax", 10, 0.5, partition="natural")])
+    assert not has_choices(folder)
+    assert main(["figure", "12", "--real-data", str(folder), "--out", str(tmp_path / "o")]) == 2

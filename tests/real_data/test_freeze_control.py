@@ -113,7 +113,11 @@ def test_finetune_step_is_chosen_on_validation_and_only_it_is_tested(digits64):
     assert glob["local_ft_acc_micro"] == pytest.approx(alone[best][0]["local_ft_acc_micro"],
                                                        abs=1e-12)
     assert per_client == pytest.approx(alone[best][1], abs=1e-12)
-    assert "local_ft_lr" not in alone[best][0]  # one factor: nothing chosen, nothing recorded
+    assert alone[best][0]["local_ft_lr"] == pytest.approx(0.1 * best)  # a factor other than 1
+    assert "local_ft_lr" not in last_round("eval.finetune_lr_factors=[1.0]")[0]
+    # steps too small to move any prediction tie on validation: the first listed is kept
+    tied, _ = last_round("eval.finetune_lr_factors=[2e-12, 1e-12]")
+    assert tied["local_ft_lr"] == pytest.approx(0.1 * 2e-12, rel=1e-9)
 
 
 @pytest.mark.parametrize("value, match", [
