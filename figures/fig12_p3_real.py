@@ -12,10 +12,10 @@ model width). Two panels, T0 / T on the vertical axis:
 - right, along the step size at the centre K; a momentum run sits at its effective step
   lr / (1 - momentum).
 
-The axes cross at the (K, lr) pair with the most plain-SGD rows (the P3 plan's K = 10 and
-lr = 0.2, where its K sweep and lr sweep meet). Rows of another optimizer, of a partition other
-than Dirichlet or IID, or with a setting missing are not placed, and the caption lists only the
-placed ones. The theory's curves are the exact population dynamics' argmin over every T0 in 0..T
+The axes cross at the (K, lr) pair with the most plain-SGD rows (the P3 plan's K = 10 and lr =
+0.2, where its K sweep and lr sweep meet; with ties, the pair nearest the middle values). Rows
+of another optimizer, of a partition other than Dirichlet or IID, or with a setting missing are
+not placed, and the caption lists only the placed ones. The theory's curves are the exact population dynamics' argmin over every T0 in 0..T
 (:func:`linattn_theory.warmup.recommend_warmup`, no probe) on the reference problem
 ``make_problem()`` (d = 8, 10 clients) with teacher heterogeneity 0.5 (for Dirichlet) and 0
 (for IID), the same K and T, and the step size mapped by its ratio to the centre:
@@ -107,12 +107,20 @@ def placeable(rows: list[dict]) -> list[dict]:
 
 def _centre(plain: list[dict]) -> tuple:
     """(K, lr) of the axes' crossing: the pair with the most plain-SGD rows (the P3 plan's
-    K = 10 and lr = 0.2, where the K sweep and the lr sweep meet; ties to the smaller pair)."""
+    K = 10 and lr = 0.2, where the K sweep and the lr sweep meet); among pairs with as many,
+    the one nearest the middle of the distinct K and lr values (a study where one axis alone
+    has run crosses at its middle value)."""
     counts: dict[tuple, int] = {}
     for r in plain:
         key = (r["local_steps"], r["lr"])
         counts[key] = counts.get(key, 0) + 1
-    return max(sorted(counts), key=lambda k: counts[k])
+    ks, lrs = sorted({k for k, _ in counts}), sorted({lr for _, lr in counts})
+
+    def off_middle(key) -> float:
+        return abs(ks.index(key[0]) - (len(ks) - 1) / 2) + abs(lrs.index(key[1])
+                                                                - (len(lrs) - 1) / 2)
+
+    return max(sorted(counts), key=lambda k: (counts[k], -off_middle(k)))
 
 
 def layout(rows: list[dict]) -> dict:

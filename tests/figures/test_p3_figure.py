@@ -122,3 +122,13 @@ def test_a_study_without_a_placeable_choice_has_no_figure_12(tmp_path):
         _row("shakespeare", None, 200, 200, 200, "softmax", 10, 0.5, partition="natural")])
     assert not has_choices(folder)
     assert main(["figure", "12", "--real-data", str(folder), "--out", str(tmp_path / "o")]) == 2
+
+
+def test_one_axis_alone_crosses_at_its_middle_value():
+    """Only the step-size sweeps ran (2 rows at each lr): the axes cross at the middle lr."""
+    from figures.fig12_p3_real import layout
+
+    rows = [dict(zip(T0_CHOICE_HEADER, _row(f"s{lr}{p}", 0.1, 160, 160, 200, "linear", 10, lr,
+                                            partition=p)))
+            for lr in (0.05, 0.2, 0.5) for p in ("dirichlet", "iid")]
+    assert layout(rows)["centre"] == (10, 0.2)
