@@ -15,13 +15,14 @@ model width). Two panels, T0 / T on the vertical axis:
 The axes cross at the (K, lr) pair with the most plain-SGD rows (the P3 plan's K = 10 and lr =
 0.2, where its K sweep and lr sweep meet; with ties, the pair nearest the middle values). Rows
 of another optimizer, of a partition other than Dirichlet or IID, or with a setting missing are
-not placed, and the caption lists only the placed ones. The theory's curves are the exact population dynamics' argmin over every T0 in 0..T
+not placed, and the caption lists only the placed ones. The theory's curves are the exact
+population dynamics' argmin over every T0 in 0..T
 (:func:`linattn_theory.warmup.recommend_warmup`, no probe) on the reference problem
-``make_problem()`` (d = 8, 10 clients) with teacher heterogeneity 0.5 (for Dirichlet) and 0
-(for IID), the same K and T, and the step size mapped by its ratio to the centre:
-eta_theory = 0.05 lr / lr_centre (0.05 is the reference problem's step; its stable range
-does not match a network's, so only the direction along each axis is comparable, not the level).
-A setting where those dynamics diverge has no theory point.
+``make_problem()`` (d = 8, 10 clients) with teacher heterogeneity 0.5 (for Dirichlet) and 0 (for
+IID), the same K and T, and the step size mapped by its ratio to the centre: eta_theory = 0.05
+lr / lr_centre (0.05 is the reference problem's step; its stable range does not match a
+network's, so only the direction along each axis is comparable, not the level). A setting where
+those dynamics diverge has no theory point.
 
     linattn figure 12 --real-data docs/study/p3
 """
