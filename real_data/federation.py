@@ -543,7 +543,6 @@ class Federation:
         names = tuple(state.global_params)
         seed = int(np.random.SeedSequence([self.cfg.role_seed("training"), rnd, 1])
                    .generate_state(1)[0])
-
         batches = self.planner.plan(ids, rnd + 1)  # every step on the same minibatches
 
         def fine_tune(lr: float):
