@@ -98,9 +98,12 @@ NEEDED = ("chosen_t0", "t0_low", "t0_high", "local_steps", "lr", "rounds")
 
 
 def placeable(rows: list[dict]) -> list[dict]:
-    """The rows this figure can place: SGD, a Dirichlet or IID partition and every value of
-    :data:`NEEDED` given (a momentum row too: it sits at its effective step)."""
+    """The rows this figure can place: FedFrozen itself (Q/K frozen, on FedAvg: not the
+    equal-size control or a FedProx or SCAFFOLD base, where the export names them), SGD, a
+    Dirichlet or IID partition and every value of :data:`NEEDED` given (a momentum row too:
+    it sits at its effective step)."""
     return [r for r in rows if r.get("optimizer", "sgd") == "sgd"
+            and r.get("freeze") in (None, "qk") and r.get("base") in (None, "fedavg")
             and r.get("partition") in ("dirichlet", "iid")
             and all(isinstance(r.get(k), int | float) for k in NEEDED)
             and isinstance(r.get("momentum") or 0.0, int | float)]

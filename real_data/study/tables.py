@@ -675,14 +675,15 @@ def t0_choice_lines(rows: list[dict]) -> list[str]:
 
 
 SETTING_KEYS = ("attention", "local_steps", "lr", "momentum", "optimizer", "partition",
-                "num_clients", "clients_per_round", "rounds", "model_dim")
+                "num_clients", "clients_per_round", "rounds", "model_dim", "freeze", "base")
 
 
 def sweep_settings(plan: Plan) -> dict[tuple, dict]:
     """(sweep, alpha, arm) -> the setting its T0 choice is made in (:data:`SETTING_KEYS`):
     attention kind, K, lr, momentum, optimizer, partition scheme, clients (all and per round),
-    T and the model's width, read from the resolved config of the arm's first run, so a
-    figure can place each choice on the axis its sweep varies."""
+    T, the model's width, and what the arm freezes and on which base algorithm (FedFrozen's
+    ``freeze`` and ``base``; None for other algorithms), read from the resolved config of the
+    arm's first run, so a figure can place each choice on the axis its sweep varies."""
     out = {}
     for spec in plan_runs(plan):
         key = (spec.sweep.name, spec.alpha, spec.arm.name)
@@ -694,7 +695,9 @@ def sweep_settings(plan: Plan) -> dict[tuple, dict]:
                     "lr": t.lr, "momentum": t.momentum, "optimizer": t.optimizer,
                     "partition": cfg.partition.scheme, "num_clients": cfg.partition.num_clients,
                     "clients_per_round": t.clients_per_round or cfg.partition.num_clients,
-                    "rounds": t.rounds, "model_dim": getattr(params, "dim", None)}
+                    "rounds": t.rounds, "model_dim": getattr(params, "dim", None),
+                    "freeze": getattr(cfg.algorithm.params, "freeze", None),
+                    "base": getattr(cfg.algorithm.params, "base", None)}
     return out
 
 

@@ -80,15 +80,16 @@ T0_CHOICE_HEADER = [
     "sweep", "alpha", "arm", "n_seeds", "t0_grid", "chosen_t0", "metric", "chosen_mean",
     "t0_low", "t0_high", "share_chosen", "test_score", "n_boot", "level", "attention",
     "local_steps", "lr", "momentum", "optimizer", "partition", "num_clients",
-    "clients_per_round", "rounds", "model_dim"]
+    "clients_per_round", "rounds", "model_dim", "freeze", "base"]
 
 
 def t0_choice_row(sweep, alpha, t0, lo, hi, attention, k, lr, momentum=0.0,
-                  partition="dirichlet", clients=50, per_round=50, dim=64) -> list:
+                  partition="dirichlet", clients=50, per_round=50, dim=64, freeze="qk",
+                  base="fedavg", arm="fedfrozen") -> list:
     """One row of ``t0_choice.csv`` as ``linattn study --export`` writes it (T = 200)."""
-    return [sweep, alpha, "fedfrozen", 3, "0 5 10 20 40 80 120 160 200", t0, "val_score", 0.7,
+    return [sweep, alpha, arm, 3, "0 5 10 20 40 80 120 160 200", t0, "val_score", 0.7,
             lo, hi, 0.9, 0.69, 2000, 0.95, attention, k, lr, momentum, "sgd", partition,
-            clients, per_round, 200, dim]
+            clients, per_round, 200, dim, freeze, base]
 
 
 def write_t0_choice_export(folder: Path, rows: list[list]) -> Path:

@@ -56,7 +56,7 @@ def test_figure_12_without_settings_exits_2_naming_the_fix(tmp_path, capsys):
     ("lin_K2", {"attention": "linear", "local_steps": 2, "lr": 0.2, "momentum": 0.0}),
     ("sm_lr05_iid", {"attention": "softmax", "local_steps": 10, "lr": 0.5, "partition": "iid"}),
     ("lin_K10_xdev", {"num_clients": 200, "clients_per_round": 20}),
-    ("lin_K10_large", {"model_dim": 192, "rounds": 200})])
+    ("lin_K10_large", {"model_dim": 192, "rounds": 200, "freeze": "qk", "base": "fedavg"})])
 def test_the_export_holds_each_sweeps_setting(sweep, expect):
     from real_data import study
     from real_data.study.tables import sweep_settings
@@ -94,10 +94,15 @@ def test_layout_places_each_kind_on_its_axes():
         _row("lin_large", 0.1, 160, 160, 200, "linear", 10, 0.2, dim=192),
         _row("shakespeare", None, 200, 200, 200, "softmax", 10, 0.2, partition="natural"),
         _row("adam", 0.1, 200, 200, 200, "linear", 10, 0.001),
-        _row("broken", 0.1, None, 0, 200, "linear", 10, 0.2))]
-    rows[-2]["optimizer"] = "adam"
+        _row("broken", 0.1, None, 0, 200, "linear", 10, 0.2),
+        _row("lin_K10", 0.1, 120, 80, 160, "linear", 10, 0.2, freeze="v_attn_out",
+             arm="control"),
+        _row("lin_K10", 0.1, 200, 200, 200, "linear", 10, 0.2, base="scaffold",
+             arm="fedfrozen_scaffold"))]
+    rows[-4]["optimizer"] = "adam"
     plan = layout(rows)
     assert plan["centre"] == (10, 0.2)
+    assert {p["row"]["arm"] for p in plan["points"]} == {"fedfrozen"}  # no control, no base
     where = {(p["sweep"], p["axis"]): p for p in plan["points"]}
     assert {s for s, _ in where} == {"lin_K2", "lin_K10", "lin_K10_iid", "lin_lr05",
                                      "lin_mom09", "lin_xdev", "lin_large"}
