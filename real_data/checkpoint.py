@@ -64,19 +64,26 @@ _CORRUPT_FIX = ("move it away to restart the run from round 0, or copy a good "
                 "checkpoints/round_<t>.pt over it")
 
 
+def read_payload(path: Path, device, fix: str = _CORRUPT_FIX):
+    """The unpickled contents of a checkpoint file (our own files: full unpickling); a file
+    that does not load (truncated zip, garbage, a foreign pickle) is a DataError naming it
+    and ``fix``."""
+    with open(path, "rb") as fh:  # a missing or unreadable file: the OSError names it
+        try:
+            return torch.load(fh, map_location=device, weights_only=False)
+        except Exception as exc:  # noqa: BLE001 - truncated zip, garbage, a foreign pickle
+            first = (str(exc).strip().splitlines() or [""])[0][:120]
+            raise DataError(f"{path}: not a readable checkpoint ({type(exc).__name__}: {first}); "
+                            f"{fix}") from None
+
+
 def load_checkpoint(path: Path, device: torch.device) -> tuple[FedState, dict, dict]:
     """(state, extra, rng states) from a checkpoint file (our own files: full unpickling).
 
     Everything (modules in a server state too, e.g. FedTP's hypernetwork) goes to ``device``;
     :func:`restore_rng_states` takes the generator states wherever they were loaded.
     """
-    with open(path, "rb") as fh:  # a missing or unreadable file: the OSError names it
-        try:
-            payload = torch.load(fh, map_location=device, weights_only=False)
-        except Exception as exc:  # noqa: BLE001 - truncated zip, garbage, a foreign pickle
-            first = (str(exc).strip().splitlines() or [""])[0][:120]
-            raise DataError(f"{path}: not a readable checkpoint ({type(exc).__name__}: {first}); "
-                            f"{_CORRUPT_FIX}") from None
+    payload = read_payload(path, device)
     if not (isinstance(payload, dict) and _KEYS <= set(payload)):
         raise DataError(f"{path}: not a linattn checkpoint (no {', '.join(sorted(_KEYS))}); "
                         f"{_CORRUPT_FIX}")

@@ -254,7 +254,6 @@ def _plan(raw, path: Path, out_dir) -> Plan:
     sweeps = tuple(_sweep(sw, f"sweeps[{i}]", seeds) for i, sw in enumerate(raw["sweeps"]))
     names = [sw.name for sw in sweeps]
     _require(len(set(names)) == len(names), "sweeps", "sweep names must be unique")
-    tune = _tune(raw["tune"]) if "tune" in raw else None
     for i, sw in enumerate(sweeps):  # a personal score needs a personal metric in every arm
         if sw.score != "personal":
             continue
@@ -292,6 +291,7 @@ def _plan(raw, path: Path, out_dir) -> Plan:
     _require(len(set(names)) == len(names), "pretrain", "job names must be unique")
     given = out_dir if out_dir is not None else raw.get("out_dir", f"runs/study-{name}")
     _require(isinstance(given, str | Path) and str(given), "out_dir", "must be a folder path")
+    tune = _tune(raw["tune"]) if "tune" in raw else None
     if tune is not None:
         for sw in sweeps:
             _require(tune.seed not in sw.seeds, "tune.seed", f"{tune.seed} is one of sweep "

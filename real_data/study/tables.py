@@ -54,15 +54,10 @@ def _read_metrics(run_dir: Path) -> dict[str, np.ndarray]:
 def _snapshot_params(path: Path) -> dict:
     """A snapshot's global parameters; a file that does not load (a run folder unpacked from
     an archive missing its last part, say) is a :class:`DataError` naming it."""
-    import torch  # only here: the study's other commands do not need it
+    from real_data.checkpoint import read_payload  # torch only here: other commands skip it
 
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # noqa: BLE001 - truncated zip, garbage, a foreign pickle
-        first = (str(exc).strip().splitlines() or [""])[0][:120]
-        raise DataError(f"{path}: not a readable snapshot ({type(exc).__name__}: {first}); "
-                        "unpack its run again from a complete archive, or remove the run's "
-                        "folder so that the study trains it again") from None
+    payload = read_payload(path, "cpu", "unpack its run again from a complete archive, or "
+                           "remove the run's folder so that the study trains it again")
     if not isinstance(payload, dict) or "global_params" not in payload:
         raise DataError(f"{path}: not a linattn checkpoint (no global_params); a snapshot is "
                         "a run's checkpoints/round_<t>.pt")

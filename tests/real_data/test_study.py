@@ -760,6 +760,6 @@ def test_an_unreadable_snapshot_is_a_data_error_naming_it(tmp_path):
     torch.save({"global_params": {}}, good)
     bad = tmp_path / "round_160.pt"
     bad.write_bytes(good.read_bytes()[:40])
-    with pytest.raises(DataError, match=r"round_160\.pt: not a readable snapshot.*trains it"):
+    with pytest.raises(DataError, match=r"round_160\.pt: not a readable checkpoint.*trains it"):
         tables.kernel_deviation(good, bad, 2)
     assert tables.kernel_deviation(good, good, 2) == 0.0
