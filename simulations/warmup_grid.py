@@ -1,8 +1,8 @@
 """The warm-up grid: the path-local bound (eqs. 31-35) and the probe estimator (eq. 36) on
 settings that differ from the validation grid (:mod:`simulations.grid`) in every factor.
 
-28 + 8 (+ 12 + 24) settings of a fractional design over dimension d, clients C, context length n,
-covariate shift rho, heterogeneity zeta (kernel and value), local steps K, step size eta,
+28 + 8 (+ 12 + 24 + 24) settings of a fractional design over dimension d, clients C, context
+length n, covariate shift rho, heterogeneity zeta (kernel and value), local steps K, step size eta,
 horizon T and the problem seed; no level is one of the validation grid's. Each factor's levels
 appear equally often, in an order shuffled per factor by a fixed generator
 (:func:`warmup_settings`).
@@ -11,7 +11,9 @@ the fresh part, a second design run only after the probe estimator was fixed; ev
 reported. Settings 36..47 (fresh2, a third design, ``count=48``) ran once, after the adaptive
 probe length of :func:`linattn_theory.probe.probe_length` was fixed on the development part;
 settings 48..71 (fresh3, a fourth design of 24, ``count=72``) ran once, after the probe of
-T / 10 rounds (``probe_fraction=0.1``) was fixed on settings 0..47.
+T / 10 rounds (``probe_fraction=0.1``) was fixed on settings 0..47; settings 72..95 (fresh4, a
+fifth design of 24, ``count=96``) ran once, after the finite-sample oracle ceiling
+(:mod:`simulations.probe_ceiling`) was measured on settings 0..71.
 
 Measured per setting (exact population dynamics for every T0 in 0..T):
 - validity: E(T0) >= R(T0) at every T0;
@@ -51,7 +53,8 @@ NOISE, RIDGE = 0.2, 0.02
 FRESH = 8
 FRESH2 = 12
 FRESH3 = 24
-PARTS = ("development", "held_out", "fresh", "fresh2", "fresh3")
+FRESH4 = 24
+PARTS = ("development", "held_out", "fresh", "fresh2", "fresh3", "fresh4")
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,9 @@ class WarmupSetting:
     @property
     def part(self) -> str:
         """``development`` (0..19), ``held_out`` (20..27), ``fresh`` (28..35), ``fresh2``
-        (36..47) or ``fresh3`` (48..71)."""
+        (36..47), ``fresh3`` (48..71) or ``fresh4`` (72..95)."""
+        if self.index >= SETTINGS + FRESH + FRESH2 + FRESH3:
+            return "fresh4"
         if self.index >= SETTINGS + FRESH + FRESH2:
             return "fresh3"
         if self.index >= SETTINGS + FRESH:
@@ -113,12 +118,14 @@ def warmup_settings(count: int = SETTINGS + FRESH) -> list[WarmupSetting]:
     """The design: each factor's levels repeated to 28 entries and shuffled by a generator
     seeded with the factor's position (balanced levels, fixed design); the fresh part is a
     second such design of 8 (generators seeded 100 + position), the fresh2 part a third of 12
-    (generators seeded 200 + position) and the fresh3 part a fourth of 24 (generators seeded
-    300 + position), evaluated only when asked for: the first ``count`` (36 by default, 48
-    with fresh2, 72 with fresh3)."""
+    (generators seeded 200 + position), the fresh3 part a fourth of 24 (generators seeded
+    300 + position) and the fresh4 part a fifth of 24 (generators seeded 400 + position),
+    evaluated only when asked for: the first ``count`` (36 by default, 48 with fresh2, 72 with
+    fresh3, 96 with fresh4)."""
     settings = (_design(SETTINGS, 0, 0) + _design(FRESH, 100, SETTINGS)
                 + _design(FRESH2, 200, SETTINGS + FRESH)
-                + _design(FRESH3, 300, SETTINGS + FRESH + FRESH2))
+                + _design(FRESH3, 300, SETTINGS + FRESH + FRESH2)
+                + _design(FRESH4, 400, SETTINGS + FRESH + FRESH2 + FRESH3))
     return settings[:count]
 
 

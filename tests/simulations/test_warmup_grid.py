@@ -5,7 +5,9 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 
-from simulations.warmup_grid import FRESH3, LEVELS, PARTS, warmup_settings
+import pytest
+
+from simulations.warmup_grid import FRESH3, FRESH4, LEVELS, PARTS, warmup_settings
 
 # sha256 of "index part label" per line for settings 0..47 (development, held_out, fresh,
 # fresh2), as reported in docs/results/validation.md
@@ -25,12 +27,20 @@ def test_fresh3_keeps_the_first_48_settings_and_the_default_count():
         [s.problem().kernel_teachers.tolist() for s in warmup_settings(48)[::7]]
     assert Counter(s.part for s in every) == {"development": 20, "held_out": 8, "fresh": 8,
                                               "fresh2": 12, "fresh3": FRESH3}
-    assert PARTS[-1] == "fresh3" and [s.index for s in every] == list(range(72))
+    assert PARTS[-2] == "fresh3" and [s.index for s in every] == list(range(72))
 
 
-def test_fresh3_is_a_balanced_design():
-    fresh3 = [s for s in warmup_settings(72) if s.part == "fresh3"]
-    assert len(fresh3) == 24
+def test_fresh4_keeps_the_first_72_settings():
+    every = warmup_settings(96)
+    assert [s.label for s in every[:72]] == [s.label for s in warmup_settings(72)]
+    assert Counter(s.part for s in every[72:]) == {"fresh4": FRESH4}
+    assert PARTS[-1] == "fresh4" and [s.index for s in every] == list(range(96))
+
+
+@pytest.mark.parametrize("part", ["fresh3", "fresh4"])
+def test_late_parts_are_balanced_designs(part):
+    chosen = [s for s in warmup_settings(96) if s.part == part]
+    assert len(chosen) == 24
     for name, levels in LEVELS.items():
-        counts = Counter(getattr(s, name) for s in fresh3)
+        counts = Counter(getattr(s, name) for s in chosen)
         assert set(counts) == set(levels) and len(set(counts.values())) == 1, name
