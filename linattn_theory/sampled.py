@@ -38,7 +38,7 @@ class SampledClients:
 
     All six are views of ``table`` (C, N + N_val, w): one row per sequence, training rows
     first, holding Sigma_hat (d^2 entries, row-major), x_q (d) and y (d_y), padded to whole
-    64-byte lines.
+    64-byte lines; a minibatch step then gathers one contiguous row per sequence.
     """
 
     query: np.ndarray
@@ -100,92 +100,71 @@ def _penalty(problem, kernel, value) -> float:
                   + problem.kernel_ridge * float(np.sum(kernel * kernel)))
 
 
-# A warm-up step gathers the minibatch records of a group of clients at a time, at most this
-# many bytes (a quarter of a core's L2 cache), so that the products after the gather read the
-# records from cache; every client's arithmetic is the same in any grouping
-_GATHER_BYTES = 1 << 19
-
-
-def record_width(dim: int, out_dim: int) -> int:
-    """Entries of one training record of a warm-up step: the d(d+1)/2 entries of Sigma_hat's
-    upper triangle, x_q and y, padded to whole 64-byte lines."""
-    return -(-(dim * (dim + 1) // 2 + dim + out_dim) // 8) * 8
+# A warm-up step gathers the minibatch rows of a group of clients at a time, at most this many
+# bytes (about a core's L2 cache), so that the two per-sequence products after the gather
+# read the rows from cache; every client's arithmetic is the same in any grouping
+_GATHER_BYTES = 1 << 21
 
 
 class _Steps:
     """The minibatch SGD steps of one run on its training data, with the buffers they reuse.
 
-    A minibatch is a draw idx (C, B) of training rows per client. A warm-up step reads a
-    table of records, one per training sequence: Sigma_hat's upper triangle
-    P = (Sigma_hat_kl)_{k <= l} (E = d(d+1)/2 entries, row-major), x_q and y. With the 0/1
-    matrices T_e (T_e = e_k e_l^T + e_l e_k^T for e = (k, l), k < l; e_k e_k^T on the
-    diagonal), Sigma_hat = sum_e P_e T_e, so for a minibatch of records P (B, E)
-
-        Sigma_hat_b V = (P J(V))_b,               J(V)_e = T_e V            (E, d d_y),
-        sum_b Sigma_hat_b c_b = sum_e T_e W_e,     W = P^T (c_b)_b           (E, d d_y),
-
-    two matrix products over the minibatch (each reads every record once), where the plain
-    formulation takes one small product per sequence. A step of a group of clients gathers
-    their drawn records (``np.take`` on the (C N, w) table, row c N + i, into a buffer
-    allocated once; ``mode="clip"`` lets ``take`` write into it directly, and every drawn index
-    lies in [0, N), so clipping never moves one). The numbers agree with the per-sequence
-    formulation to rounding (the sums run in another order). A frozen step gathers its
-    minibatch of features u = Sigma_hat M^T x_q into a buffer of its own the same way.
+    A minibatch is a draw idx (C, B) of training rows per client. A warm-up round runs the
+    clients in groups of ``group`` (each group's K local steps in turn; clients are
+    independent within a round). A step gathers the group's drawn rows of the data's table
+    (``np.take`` on its (C N_all, w) view, row c N_all + i) into a buffer allocated once
+    (``mode="clip"`` lets ``take`` write into it directly; every drawn index lies in [0, N),
+    so clipping never moves one); Sigma_hat, x_q and y are views of the gathered rows. The
+    arithmetic is the plain formulation's: the same numpy operations, per client, on arrays of
+    the same shapes, hence the same numbers to the bit. A frozen step gathers its minibatch of
+    features into a buffer of its own the same way.
     """
 
     def __init__(self, problem: Problem, data: SampledClients, lr: float, batch_size: int):
         c, n, d, dy = problem.num_clients, data.query.shape[1], problem.dim, problem.out_dim
         self.problem, self.lr, self.dim, self.out_dim, self.train = problem, lr, d, dy, n
-        upper_k, upper_l = np.triu_indices(d)
-        self.entries = e = upper_k.size
-        records = np.zeros((c, n, record_width(d, dy)))
-        for k in range(d):                       # row k of the triangle: Sigma_hat_kl, l >= k
-            start = k * d - k * (k - 1) // 2
-            records[..., start:start + d - k] = data.sigma_hat[..., k, k:]
-        records[..., e:e + d] = data.query
-        records[..., e + d:e + d + dy] = data.target
-        self.records = records.reshape(c * n, records.shape[2])
+        per_client = data.table.shape[1]
+        self.records = data.table.reshape(c * per_client, data.table.shape[2])
+        self.record_offsets = per_client * np.arange(c)[:, None]
         self.train_offsets = n * np.arange(c)[:, None]
-        spread = np.zeros((e, d, d))
-        spread[np.arange(e), upper_k, upper_l] = 1.0
-        spread[np.arange(e), upper_l, upper_k] = 1.0
-        self.spread = spread.reshape(e * d, d)                   # V -> J(V), rows (e, k)
-        self.fold = np.ascontiguousarray(spread.transpose(1, 0, 2).reshape(d, e * d))
         self.targets = np.ascontiguousarray(data.target).reshape(c * n, dy)
         self.group = int(min(c, max(1, _GATHER_BYTES // (batch_size * self.records.strides[0]))))
         self.batch = np.empty((self.group * batch_size, self.records.shape[1]))
+        self.za = np.empty((self.group, batch_size, d, 1))
+        self.sw = np.empty((self.group, batch_size, d, 1))
         self.features = np.empty((c * batch_size, d))
 
     def warmup_round(self, kernel: np.ndarray, value: np.ndarray, batches):
         """One FedAvg round on (M, V): K minibatch steps per client from the global point."""
         problem, lr = self.problem, self.lr
-        c, d, dy, e = problem.num_clients, self.dim, self.out_dim, self.entries
+        c, d, dy = problem.num_clients, self.dim, self.out_dim
         m = np.broadcast_to(kernel, (c, *kernel.shape)).copy()
         v = np.broadcast_to(value, (c, *value.shape)).copy()
         shrink_m, shrink_v = 1 - lr * problem.kernel_ridge, 1 - lr * problem.ridge
-        rows = [idx + self.train_offsets for idx in batches]          # (C, B) per local step
+        rows = [idx + self.record_offsets for idx in batches]          # (C, B) per local step
         for lo in range(0, c, self.group):
             part = slice(lo, min(lo + self.group, c))
             mg, vg = m[part], v[part]                                  # views, updated in place
             g = mg.shape[0]
-            # per sequence: a = M^T x_q, s = Sigma_hat V, prediction a^T s, residual r; the
-            # gradients are sum_b Sigma_hat_b a_b r_b^T (V) and sum_b x_q (s_b r_b)^T (M)
+            # Sigma_hat is symmetric, so the prediction x_q^T M Sigma_hat V is z^T V with
+            # z = Sigma_hat M^T x_q, and the kernel's gradient sum_b x_q (Sigma_hat V r_b)^T
+            # needs no (C, B, d, d_y) product: batched matrix products only
             for step_rows in rows:
                 b = step_rows.shape[1]
                 rec = np.take(self.records, step_rows[part].ravel(), axis=0,
                               out=self.batch[:g * b], mode="clip")
-                tri = rec[:, :e].reshape(g, b, e)
-                q = rec[:, e:e + d].reshape(g, b, d)
-                y = rec[:, e + d:e + d + dy].reshape(g, b, dy)
-                a = q @ mg                                             # (G, B, d)
-                s = (tri @ (self.spread @ vg).reshape(g, e, d * dy)).reshape(g, b, d, dy)
-                res = np.einsum("gbk,gbka->gba", a, s) - y              # (G, B, d_y)
-                outer = a[..., None] * res[:, :, None, :]              # a_b r_b^T
-                grad_v = self.fold @ (tri.mT @ outer.reshape(g, b, d * dy)).reshape(
-                    g, e * d, dy)                                      # (G, d, d_y)
-                sr = s[..., 0] * res if dy == 1 else np.einsum("gbka,gba->gbk", s, res)
-                grad_m = q.mT @ sr                                     # (G, d, d)
+                s = rec[:, :d * d].reshape(g, b, d, d)
+                q = rec[:, d * d:d * d + d].reshape(g, b, d)
+                y = rec[:, d * d + d:d * d + d + dy].reshape(g, b, dy)
+                za = np.matmul(s, (q @ mg)[..., None], out=self.za[:g, :b])[..., 0]
+                res = za @ vg - y                                      # (G, B, d_y)
                 scale = lr / b
+                grad_v = za.mT @ res                                   # (G, d, d_y)
+                # V r_b: for d_y = 1 the product of the two factors (a matrix product with
+                # one term per entry gives the same numbers)
+                w = res * vg.mT if dy == 1 else res @ vg.mT
+                sw = np.matmul(s, w[..., None], out=self.sw[:g, :b])[..., 0]
+                grad_m = q.mT @ sw                                     # (G, d, d)
                 mg *= shrink_m
                 mg -= scale * grad_m
                 vg *= shrink_v
