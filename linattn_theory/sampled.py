@@ -28,7 +28,8 @@ from linattn_theory.freeze_rules import make_rule
 from linattn_theory.probe import ProbeChoice, ProbeSelector, probe_length
 from linattn_theory.problem import Problem
 
-__all__ = ["SampledClients", "sample_clients", "ProbeRun", "probe_run", "RuleRun", "rule_run"]
+__all__ = ["SampledClients", "sample_clients", "ProbeRun", "probe_run", "RuleRun", "rule_run",
+           "FrozenContinuations", "frozen_continuations"]
 
 
 @dataclass(frozen=True)
@@ -421,3 +422,91 @@ def rule_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int,
                 f"(minibatch SGD, B={bsz}) diverged in round {rounds + 1}; lower lr") from None
     return RuleRun({k: r.warmup_rounds for k, r in made.items()},
                    {k: list(r.signal) for k, r in made.items()}, rounds)
+
+
+@dataclass(frozen=True)
+class FrozenContinuations:
+    """Every snapshot of one finite-sample run frozen and trained to T (see
+    :func:`frozen_continuations`).
+
+    Attributes
+    ----------
+    rounds : tuple
+        The snapshot rounds t (every ``interval`` rounds, t < T), then T.
+    validation : tuple
+        The validation objective (the probe's: F on the validation split, the ridges included)
+        of (M_t, V_T) at each round; inf where a frozen stage diverged.
+    models : tuple
+        (M_t, V_T) at each round (None where a frozen stage diverged); at T the run's own.
+    snapshots : dict
+        (M_t, V_t) of the run at each snapshot round t < T.
+    """
+
+    rounds: tuple
+    validation: tuple
+    models: tuple
+    snapshots: dict
+
+
+def frozen_continuations(problem: Problem, start: InitialPoint, lr: float, local_steps: int,
+                         total_rounds: int, seed: int = 0, batch_size: int = 256,
+                         samples_per_client: int = 4096, validation_fraction: float = 0.25,
+                         interval: int | None = None) -> FrozenContinuations:
+    """The run of :func:`probe_run` (the same data and minibatch draws for ``seed``) trained for
+    T rounds, and at every snapshot round t (``interval``, default max(1, T // 25), as the
+    probe's) the kernel frozen and the frozen stage run for rounds t..T-1 with the run's own
+    minibatch draws of those rounds: what an oracle with full-length probes sees. The snapshot
+    whose continuation has the least validation objective bounds every rule that sees only this
+    run (``simulations.probe_ceiling``).
+
+    Raises ParameterError (names ``lr``) where the warm-up run diverges.
+    """
+    require(isinstance(total_rounds, int | np.integer) and total_rounds >= 1, "total_rounds",
+            total_rounds, "an integer T >= 1")
+    t_total = int(total_rounds)
+    interval = max(1, t_total // 25) if interval is None else int(interval)
+    data_rng, draw_rng = (np.random.default_rng(s)
+                          for s in np.random.SeedSequence(seed).spawn(2))
+    data = sample_clients(problem, samples_per_client, validation_fraction, data_rng)
+    c, n_train = problem.num_clients, data.query.shape[1]
+    bsz = min(batch_size, n_train)
+    steps = _Steps(problem, data, lr, bsz)
+
+    def draws(rng):
+        return [rng.integers(0, n_train, size=(c, bsz)) for _ in range(local_steps)]
+
+    snapshots, states = {}, {}
+    kernel, value = start.kernel.astype(np.float64), start.value.astype(np.float64)
+    with np.errstate(over="raise", invalid="raise"):
+        try:
+            for t in range(t_total):
+                if t % interval == 0:
+                    snapshots[t] = (kernel, value)
+                    states[t] = draw_rng.bit_generator.state   # the draws of rounds t..T-1
+                kernel, value = steps.warmup_round(kernel, value, draws(draw_rng))
+        except FloatingPointError:
+            raise ParameterError(
+                f"lr={lr:g} with local_steps={local_steps}: the finite-sample run (minibatch "
+                f"SGD, B={bsz}) diverged in round {t}; lower lr") from None
+    rounds = sorted(snapshots)
+    validation, models = [], []
+    for t in rounds:
+        m0, v0 = snapshots[t]
+        rng = np.random.default_rng()
+        rng.bit_generator.state = states[t]
+        feats = _features(m0, data.query, data.sigma_hat)
+        plans = (steps.frozen_plan(draws(rng)) for _ in range(t_total - t))
+        with np.errstate(over="raise", invalid="raise"):
+            try:
+                v_t = steps.frozen_rounds(feats, v0, plans)[-1]
+            except FloatingPointError:
+                validation.append(float("inf"))
+                models.append(None)
+                continue
+        validation.append(_validation_loss(problem, data, m0, v_t))
+        models.append((m0, v_t))
+    validation.append(_validation_loss(problem, data, kernel, value))
+    models.append((kernel, value))
+    return FrozenContinuations(tuple(rounds) + (t_total,), tuple(float(v) for v in validation),
+                               tuple(models), snapshots)
+

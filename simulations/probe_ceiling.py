@@ -40,7 +40,7 @@ from linattn_theory.dynamics import initial_point
 from linattn_theory.errors import ParameterError
 from linattn_theory.objectives import global_loss
 from linattn_theory.profile import solve_profile
-from linattn_theory.sampled import _features, _Steps, _validation_loss, probe_run, sample_clients
+from linattn_theory.sampled import frozen_continuations, probe_run
 from linattn_theory.warmup_path import warmup_path
 from simulations.warmup_grid import PARTS, warmup_settings
 
@@ -49,52 +49,13 @@ __all__ = ["oracle_setting", "run_probe_ceiling"]
 
 def _sampled_curve(problem, start, lr, local_steps, total_rounds, seed, batch_size,
                    samples_per_client, validation_fraction):
-    """Snapshot rounds and, per snapshot, val_T of the kernel frozen there (inf where the
-    frozen stage diverged); raises ParameterError where the warm-up run diverges."""
-    t_total = int(total_rounds)
-    interval = max(1, t_total // 25)
-    data_rng, draw_rng = (np.random.default_rng(s)
-                          for s in np.random.SeedSequence(seed).spawn(2))
-    data = sample_clients(problem, samples_per_client, validation_fraction, data_rng)
-    c, n_train = problem.num_clients, data.query.shape[1]
-    bsz = min(batch_size, n_train)
-    steps = _Steps(problem, data, lr, bsz)
-
-    def draws(rng):
-        return [rng.integers(0, n_train, size=(c, bsz)) for _ in range(local_steps)]
-
-    snapshots, states = {}, {}
-    kernel, value = start.kernel.astype(np.float64), start.value.astype(np.float64)
-    with np.errstate(over="raise", invalid="raise"):
-        try:
-            for t in range(t_total):
-                if t % interval == 0:
-                    snapshots[t] = (kernel, value)
-                    states[t] = draw_rng.bit_generator.state     # the draws of rounds t..T-1
-                kernel, value = steps.warmup_round(kernel, value, draws(draw_rng))
-        except FloatingPointError:
-            raise ParameterError(f"the finite-sample run diverged in round {t}") from None
-    rounds = sorted(snapshots) + [t_total]
-    val = {t_total: _validation_loss(problem, data, kernel, value)}
-    finals = {}
-    for t in sorted(snapshots):
-        m0, v0 = snapshots[t]
-        rng = np.random.default_rng()
-        rng.bit_generator.state = states[t]
-        feats = _features(m0, data.query, data.sigma_hat)
-        plans = (steps.frozen_plan(draws(rng)) for _ in range(t_total - t))
-        with np.errstate(over="raise", invalid="raise"):
-            try:
-                v_t = steps.frozen_rounds(feats, v0, plans)[-1]
-                val[t] = _validation_loss(problem, data, m0, v_t)
-                finals[t] = v_t
-            except FloatingPointError:
-                val[t] = float("inf")
-    pop = {t_total: global_loss(problem, kernel, value)}
-    for t in sorted(snapshots):
-        pop[t] = (global_loss(problem, snapshots[t][0], finals[t]) if t in finals
-                  else float("inf"))
-    return rounds, [float(val[t]) for t in rounds], [float(pop[t]) for t in rounds], snapshots
+    """Snapshot rounds, val_T and the exact population objective of each continuation's model
+    (inf where its frozen stage diverged), and the snapshots (M_t, V_t) by round."""
+    run = frozen_continuations(problem, start, lr, local_steps, total_rounds, seed=seed,
+                               batch_size=batch_size, samples_per_client=samples_per_client,
+                               validation_fraction=validation_fraction)
+    pop = [float("inf") if m is None else global_loss(problem, *m) for m in run.models]
+    return list(run.rounds), list(run.validation), pop, run.snapshots
 
 
 def oracle_setting(st, seed: int = 0, samples_per_client: int = 4096, batch_size: int = 256,
