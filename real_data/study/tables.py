@@ -223,6 +223,10 @@ def aggregate(plan: Plan, runs: list[dict] | None = None) -> list[dict]:
     return out
 
 
+PAIRED_FIELDS = ("sweep", "arm", "warmup_rounds", "alpha", "against", "metric", "n", "diff_mean",
+                 "diff_se")
+
+
 def paired_differences(runs: list[dict], against: str = "fedavg",
                        metric: str = "final_acc") -> list[dict]:
     """Per (sweep, arm, T0, alpha): the mean over seeds of ``metric`` minus the ``against``
@@ -243,9 +247,8 @@ def paired_differences(runs: list[dict], against: str = "fedavg",
     out = []
     for (sweep, arm, t0, alpha), diffs in cells.items():
         mean, se, _ = t_interval(diffs)
-        out.append({"sweep": sweep, "arm": arm, "warmup_rounds": t0, "alpha": alpha,
-                    "against": against, "metric": metric, "n": len(diffs),
-                    "diff_mean": mean, "diff_se": se})
+        out.append(dict(zip(PAIRED_FIELDS, (sweep, arm, t0, alpha, against, metric, len(diffs),
+                                            mean, se), strict=True)))
     return out
 
 
@@ -494,11 +497,13 @@ def row_order(r: dict) -> tuple:
             -1 if r["warmup_rounds"] is None else r["warmup_rounds"], r.get("seed", 0))
 
 
-def write_csv(rows: list[dict], path: Path) -> None:
-    """``rows`` as CSV (header from the first row; an empty file for none), atomically."""
+def write_csv(rows: list[dict], path: Path, fields: tuple[str, ...] | None = None) -> None:
+    """``rows`` as CSV, atomically: the header from the first row, else ``fields`` (a header
+    alone for no rows; an empty file for no rows and no ``fields``)."""
     text = io.StringIO()
-    if rows:
-        w = csv.DictWriter(text, fieldnames=list(rows[0]))
+    names = list(rows[0]) if rows else list(fields or ())
+    if names:
+        w = csv.DictWriter(text, fieldnames=names)
         w.writeheader()
         w.writerows(rows)
     atomic_write_text(path, text.getvalue())
@@ -509,7 +514,11 @@ def _write_run_tables(runs: list[dict], out_dir: Path) -> list[Path]:
     paths = [out_dir / "study_per_run.csv", out_dir / "study_paired.csv",
              out_dir / "study_paired.md"]
     write_csv(sorted(runs, key=row_order), paths[0])
-    write_csv(paired, paths[1])
+    write_csv(paired, paths[1], PAIRED_FIELDS)
+    if not paired:
+        atomic_write_text(paths[2], "No paired differences: no run of the plan has a finished "
+                          "FedAvg run (arm fedavg, no T0) of the same sweep, alpha and seed.\n")
+        return paths
     lines = ["Final accuracy minus FedAvg's of the same seed, in points: mean over seeds +- its "
              "standard error (ddof = 1), n seeds.", "",
              "| sweep | alpha | arm | T0 | n | minus fedavg (points) | mean / SE |",

@@ -102,6 +102,18 @@ def test_paired_differences_mean_and_standard_error():
     assert out[("y", 0.1)]["diff_mean"] == pytest.approx(-0.10, abs=1e-12)
 
 
+def test_paired_table_of_a_plan_without_fedavg_has_its_header(tmp_path):
+    from real_data.study.tables import PAIRED_FIELDS, write_csv
+
+    runs = [{"sweep": "s", "arm": "x", "warmup_rounds": 5, "alpha": 0.1, "seed": 0,
+             "final_acc": 0.7}]
+    assert study.paired_differences(runs) == []
+    write_csv(study.paired_differences(runs), tmp_path / "paired.csv", PAIRED_FIELDS)
+    assert (tmp_path / "paired.csv").read_text().strip() == ",".join(PAIRED_FIELDS)
+    write_csv([], tmp_path / "none.csv")
+    assert (tmp_path / "none.csv").read_text() == ""
+
+
 def test_interrupted_run_is_resumed(tmp_path):
     plan = _plan(tmp_path, {**PLAN, "sweeps": [{**PLAN["sweeps"][0],
                                                 "arms": PLAN["sweeps"][0]["arms"][:1]}]})
