@@ -68,7 +68,8 @@ import numpy as np
 
 from linattn_theory.errors import require
 
-__all__ = ["extrapolate", "probe_length", "smoothed", "ProbeSelector", "ProbeChoice"]
+__all__ = ["extrapolate", "probe_length", "smoothed", "best_snapshot", "ProbeSelector",
+           "ProbeChoice"]
 
 _RATES = np.concatenate([np.linspace(0.0, 0.9, 46), 1.0 - np.geomspace(0.1, 1e-3, 40)])
 
@@ -225,6 +226,27 @@ def smoothed(predictions, end_rule: bool = True) -> np.ndarray:
     return z
 
 
+TIE_BREAKS = ("earliest", "own")
+
+
+def best_snapshot(smooth, predictions, tie_break: str = "earliest") -> int:
+    """The index of the least smoothed prediction; among equal ones the earliest
+    (``tie_break="earliest"``, the default), or the one with the least prediction of its own,
+    its probe's evidence, then the earliest (``"own"``).
+
+    A median of three copies a neighbour's value, so neighbouring snapshots often share the
+    least smoothed value, and the end-point rule sets the oldest one to z_1 wherever the trend
+    of z_1, z_2 is flat: with "earliest" a snapshot at round 0 whose probe predicted 10.1
+    beside 7.7 and 7.5 is kept (T0 = 0), with "own" the snapshot that predicted 7.5.
+    """
+    require(tie_break in TIE_BREAKS, "tie_break", tie_break, f"one of {', '.join(TIE_BREAKS)}")
+    z = np.asarray(smooth, dtype=np.float64)
+    if tie_break == "earliest":
+        return int(np.argmin(z))
+    x = np.asarray(predictions, dtype=np.float64)
+    return int(np.lexsort((np.arange(z.size), x, z))[0])
+
+
 @dataclass(frozen=True)
 class ProbeChoice:
     """What :class:`ProbeSelector` decides.
@@ -276,6 +298,9 @@ class ProbeSelector:
         further drop in units of the probe's drop). None switches a guard off.
     end_rule : bool
         Tukey's end-point rule for the oldest prediction (:func:`smoothed`).
+    tie_break : str
+        Which of the snapshots sharing the least smoothed prediction is the best
+        (:func:`best_snapshot`): "earliest" (default) or "own".
     """
 
     total_rounds: int
@@ -286,6 +311,7 @@ class ProbeSelector:
     lower_bound: float | None = 0.0
     reach: float | None = 1.0
     end_rule: bool = True
+    tie_break: str = "earliest"
     snapshots: list = field(default_factory=list)
     curves: list = field(default_factory=list)
     predictions: list = field(default_factory=list)
@@ -316,7 +342,7 @@ class ProbeSelector:
         self.predictions.append(float(preds[-1]))
         self.rate = q
         smooth = smoothed(self.predictions, self.end_rule)
-        best = int(np.argmin(smooth))
+        best = best_snapshot(smooth, self.predictions, self.tie_break)
         tail = smooth[best + 1:]
         return tail.size >= self.patience and bool(
             np.min(tail[-self.patience:]) > smooth[best] + self.margin * self.noise())
@@ -325,7 +351,7 @@ class ProbeSelector:
         """The best snapshot; ``continuing_loss`` (the run's loss at T, when it got there) is
         the never-freeze candidate T0 = T, kept unless a snapshot beats it by sigma."""
         smooth = smoothed(self.predictions, self.end_rule)
-        best = int(np.argmin(smooth))
+        best = best_snapshot(smooth, self.predictions, self.tie_break)
         t0, pred = self.snapshots[best], float(smooth[best])
         if continuing_loss is not None and continuing_loss <= pred + self.noise():
             t0, pred = self.total_rounds, float(continuing_loss)

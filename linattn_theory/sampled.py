@@ -231,7 +231,8 @@ def probe_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int
               interval: int | None = None, probe_rounds: int = 10,
               patience: int = 4, max_rate: float = 1.0, margin: float = 1.0,
               window: int = 4, max_probe_fraction: float | None = None, bend: float = 0.5,
-              finish: bool = True, probe_fraction: float | None = None) -> ProbeRun:
+              finish: bool = True, probe_fraction: float | None = None,
+              tie_break: str = "earliest") -> ProbeRun:
     """Run finite-sample FedAvg with freeze-now probes every ``interval`` rounds (eq. 36).
 
     Parameters
@@ -254,7 +255,7 @@ def probe_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int
         Adaptive probes: a probe whose curve has not bent (fitted q^r > ``bend``) is doubled,
         up to max(r, round(``max_probe_fraction`` T)) rounds
         (:func:`linattn_theory.probe.probe_length`). None: every probe has r rounds.
-    patience, max_rate, margin, window : int, float, float, int
+    patience, max_rate, margin, window, tie_break : int, float, float, int, str
         The selection rule (:class:`linattn_theory.probe.ProbeSelector`).
     finish : bool
         Run the T - T0 frozen rounds after the roll-back (``value`` is V_T). False stops at
@@ -294,7 +295,7 @@ def probe_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int
                    for _ in range(longest)]
 
     selector = ProbeSelector(t_total, patience=patience, window=window, max_rate=max_rate,
-                             margin=margin)
+                             margin=margin, tie_break=tie_break)
     snapshots = {}
     kernel, value = start.kernel.astype(np.float64), start.value.astype(np.float64)
     stopped, continuing = t_total, None

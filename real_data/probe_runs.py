@@ -53,7 +53,7 @@ from pathlib import Path
 import numpy as np
 
 from linattn.errors import UserError
-from linattn_theory.probe import ProbeChoice, ProbeSelector, smoothed
+from linattn_theory.probe import ProbeChoice, ProbeSelector, best_snapshot, smoothed
 from real_data import rundir
 from real_data.checkpoint import load_checkpoint, restore_rng_states, save_checkpoint
 from real_data.engines import BatchPlanner
@@ -293,9 +293,10 @@ class ProbeDriver:
         self.log.saved_round = state.round
 
     def _candidates(self, sel: ProbeSelector) -> tuple[int, ...]:
-        """Snapshots that can still be chosen: the first minimum of the smoothed predictions
-        that are final (all but the newest, whose median waits for the next), and the newest
-        (``choose`` takes the first minimum, and later predictions never change final ones).
+        """Snapshots that can still be chosen: the best of the smoothed predictions that are
+        final (all but the newest, whose median waits for the next), and the newest (``choose``
+        takes the best by :func:`~linattn_theory.probe.best_snapshot`, the first minimum of the
+        smoothed predictions, and later predictions never change final ones).
         The oldest smoothed value follows the trend of the next two medians (the end-point
         rule of :func:`linattn_theory.probe.smoothed`), final from the fourth prediction on:
         until then every snapshot stays."""
@@ -303,7 +304,7 @@ class ProbeDriver:
         if len(snaps) < 4:
             return tuple(snaps)
         final = smoothed(sel.predictions)[:-1]
-        return (snaps[int(np.argmin(final))], snaps[-1])
+        return (snaps[best_snapshot(final, sel.predictions[:-1], sel.tie_break)], snaps[-1])
 
     def _prune(self, keep) -> None:
         folder = self.run_dir / "checkpoints"

@@ -1,7 +1,7 @@
 """The warm-up grid: the path-local bound (eqs. 31-35) and the probe estimator (eq. 36) on
 settings that differ from the validation grid (:mod:`simulations.grid`) in every factor.
 
-28 + 8 (+ 12 + 24 + 24) settings of a fractional design over dimension d, clients C, context
+28 + 8 (+ 12 + 24 + 24 + 24) settings of a fractional design over dimension d, clients C, context
 length n, covariate shift rho, heterogeneity zeta (kernel and value), local steps K, step size eta,
 horizon T and the problem seed; no level is one of the validation grid's. Each factor's levels
 appear equally often, in an order shuffled per factor by a fixed generator
@@ -13,7 +13,9 @@ probe length of :func:`linattn_theory.probe.probe_length` was fixed on the devel
 settings 48..71 (fresh3, a fourth design of 24, ``count=72``) ran once, after the probe of
 T / 10 rounds (``probe_fraction=0.1``) was fixed on settings 0..47; settings 72..95 (fresh4, a
 fifth design of 24, ``count=96``) ran once, after the finite-sample oracle ceiling
-(:mod:`simulations.probe_ceiling`) was measured on settings 0..71.
+(:mod:`simulations.probe_ceiling`) was measured on settings 0..71; settings 96..119 (fresh5, a
+sixth design of 24, ``count=120``) ran once, after the probe's tie-break among equal smoothed
+predictions (``tie_break="own"``) was measured on settings 0..95.
 
 Measured per setting (exact population dynamics for every T0 in 0..T):
 - validity: E(T0) >= R(T0) at every T0;
@@ -54,7 +56,9 @@ FRESH = 8
 FRESH2 = 12
 FRESH3 = 24
 FRESH4 = 24
-PARTS = ("development", "held_out", "fresh", "fresh2", "fresh3", "fresh4")
+FRESH5 = 24
+PARTS = ("development", "held_out", "fresh", "fresh2", "fresh3", "fresh4",
+         "fresh5")
 
 
 @dataclass(frozen=True)
@@ -80,7 +84,9 @@ class WarmupSetting:
     @property
     def part(self) -> str:
         """``development`` (0..19), ``held_out`` (20..27), ``fresh`` (28..35), ``fresh2``
-        (36..47), ``fresh3`` (48..71) or ``fresh4`` (72..95)."""
+        (36..47), ``fresh3`` (48..71), ``fresh4`` (72..95) or ``fresh5`` (96..119)."""
+        if self.index >= SETTINGS + FRESH + FRESH2 + FRESH3 + FRESH4:
+            return "fresh5"
         if self.index >= SETTINGS + FRESH + FRESH2 + FRESH3:
             return "fresh4"
         if self.index >= SETTINGS + FRESH + FRESH2:
@@ -119,13 +125,15 @@ def warmup_settings(count: int = SETTINGS + FRESH) -> list[WarmupSetting]:
     seeded with the factor's position (balanced levels, fixed design); the fresh part is a
     second such design of 8 (generators seeded 100 + position), the fresh2 part a third of 12
     (generators seeded 200 + position), the fresh3 part a fourth of 24 (generators seeded
-    300 + position) and the fresh4 part a fifth of 24 (generators seeded 400 + position),
-    evaluated only when asked for: the first ``count`` (36 by default, 48 with fresh2, 72 with
-    fresh3, 96 with fresh4)."""
+    300 + position), the fresh4 part a fifth of 24 (generators seeded 400 + position) and the
+    fresh5 part a sixth of 24 (generators seeded 500 + position), evaluated only when asked
+    for: the first ``count`` (36 by default, 48 with fresh2, 72 with fresh3, 96 with fresh4,
+    120 with fresh5)."""
     settings = (_design(SETTINGS, 0, 0) + _design(FRESH, 100, SETTINGS)
                 + _design(FRESH2, 200, SETTINGS + FRESH)
                 + _design(FRESH3, 300, SETTINGS + FRESH + FRESH2)
-                + _design(FRESH4, 400, SETTINGS + FRESH + FRESH2 + FRESH3))
+                + _design(FRESH4, 400, SETTINGS + FRESH + FRESH2 + FRESH3)
+                + _design(FRESH5, 500, SETTINGS + FRESH + FRESH2 + FRESH3 + FRESH4))
     return settings[:count]
 
 

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from simulations.warmup_grid import FRESH3, FRESH4, LEVELS, PARTS, warmup_settings
+from simulations.warmup_grid import FRESH3, FRESH4, FRESH5, LEVELS, PARTS, warmup_settings
 
 # sha256 of "index part label" per line for settings 0..47 (development, held_out, fresh,
 # fresh2), as reported in docs/results/validation.md
@@ -27,19 +27,20 @@ def test_fresh3_keeps_the_first_48_settings_and_the_default_count():
         [s.problem().kernel_teachers.tolist() for s in warmup_settings(48)[::7]]
     assert Counter(s.part for s in every) == {"development": 20, "held_out": 8, "fresh": 8,
                                               "fresh2": 12, "fresh3": FRESH3}
-    assert PARTS[-2] == "fresh3" and [s.index for s in every] == list(range(72))
+    assert PARTS[4] == "fresh3" and [s.index for s in every] == list(range(72))
 
 
-def test_fresh4_keeps_the_first_72_settings():
-    every = warmup_settings(96)
+def test_fresh4_and_fresh5_keep_the_settings_before_them():
+    every = warmup_settings(120)
     assert [s.label for s in every[:72]] == [s.label for s in warmup_settings(72)]
-    assert Counter(s.part for s in every[72:]) == {"fresh4": FRESH4}
-    assert PARTS[-1] == "fresh4" and [s.index for s in every] == list(range(96))
+    assert [s.label for s in every[:96]] == [s.label for s in warmup_settings(96)]
+    assert Counter(s.part for s in every[72:]) == {"fresh4": FRESH4, "fresh5": FRESH5}
+    assert PARTS[-2:] == ("fresh4", "fresh5") and [s.index for s in every] == list(range(120))
 
 
-@pytest.mark.parametrize("part", ["fresh3", "fresh4"])
+@pytest.mark.parametrize("part", ["fresh3", "fresh4", "fresh5"])
 def test_late_parts_are_balanced_designs(part):
-    chosen = [s for s in warmup_settings(96) if s.part == part]
+    chosen = [s for s in warmup_settings(120) if s.part == part]
     assert len(chosen) == 24
     for name, levels in LEVELS.items():
         counts = Counter(getattr(s, name) for s in chosen)

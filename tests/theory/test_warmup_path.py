@@ -16,7 +16,14 @@ from linattn_theory.dynamics import initial_point, population_dynamics
 from linattn_theory.errors import ParameterError
 from linattn_theory.frozen import frozen_stages
 from linattn_theory.objectives import global_loss, pooled_kernel_gradient
-from linattn_theory.probe import _RATES, ProbeSelector, extrapolate, probe_length, smoothed
+from linattn_theory.probe import (
+    _RATES,
+    ProbeSelector,
+    best_snapshot,
+    extrapolate,
+    probe_length,
+    smoothed,
+)
 from linattn_theory.problem import make_problem
 from linattn_theory.profile import solve_profile
 from linattn_theory.warmup import recommend_warmup
@@ -293,6 +300,24 @@ def test_selector_stops_after_patience_and_compares_with_continuing():
     assert stops.index(True) == 5
     assert sel.choose(50).warmup_rounds == 20
     assert sel.choose(100, continuing_loss=0.1).warmup_rounds == 100
+
+
+def test_tied_smoothed_predictions_by_either_tie_break():
+    # the warm-up grid's setting 93 (fresh4): the end-point rule and the medians give the first
+    # three snapshots the same smoothed value, 7.682; their own predictions are 10.146, 7.682
+    # and 7.533: "earliest" keeps round 0, "own" round 24
+    preds = [10.14629, 7.68203, 7.53288, 7.71569, 7.92040, 7.95493, 7.99588, 8.08438]
+    z = smoothed(preds)
+    assert z[0] == z[1] == z[2] == 7.68203 and int(np.argmin(z)) == 0
+    assert best_snapshot(z, preds) == 0                              # the default: earliest
+    assert best_snapshot(z, preds, "own") == 2
+    assert best_snapshot([1.0, 1.0, 1.0], [2.0, 1.0, 1.0], "own") == 1    # then the earliest
+    with pytest.raises(ParameterError, match="tie_break"):
+        best_snapshot(z, preds, "latest")
+    for rule, t0 in (("earliest", 0), ("own", 24)):
+        sel = ProbeSelector(total_rounds=300, tie_break=rule)
+        sel.snapshots, sel.predictions = [12 * j for j in range(8)], preds
+        assert sel.choose(84).warmup_rounds == t0
 
 
 def test_api_and_cli_agree(tmp_path):
