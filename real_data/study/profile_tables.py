@@ -43,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
+from linattn.errors import UserError
 from linattn.fileio import atomic_write_text
 from real_data.study.plan import Arm, Plan, Sweep, run_config, run_key
 from real_data.study.tables import reference_dir, row_order, write_csv
@@ -125,8 +126,8 @@ def profile_plan(plan: Plan, budget, log=print, device: str | None = None,
     from the cache or computed and cached (``compute=False``: only read); a cell's missing
     kernels train side by side, ``stack`` at a time. ``deadline_s``: start no new cell after
     this many seconds. ``pattern``: globs over the run keys (``--slice``); a cell is kept when
-    one of its runs matches. Returns one record per kernel found (missing snapshots are logged
-    and left out)."""
+    one of its runs matches (UserError when none is). Returns one record per kernel found
+    (missing snapshots are logged and left out)."""
     from real_data.profile import run_setup
 
     cells = profile_cells(plan)
@@ -134,6 +135,11 @@ def profile_plan(plan: Plan, budget, log=print, device: str | None = None,
         cells = [c for c in cells if any(
             fnmatch.fnmatch(str(path.parents[1].relative_to(plan.out_dir)), p)
             for *_, path in c["kernels"] for p in pattern)]
+        if not cells:
+            raise UserError(
+                f"--slice {' '.join(pattern)}: no profile cell of plan {plan.name} has a run "
+                "that matches; a cell's runs are its T0 arms' family heads (the largest T0, "
+                "e.g. <sweep>/fedfrozen-T0=200/alpha=0.1/seed=0) and its reference arms")
     if shard is not None:
         cells = cells[shard[0]::shard[1]]
     start = time.perf_counter()

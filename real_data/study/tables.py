@@ -223,6 +223,10 @@ def aggregate(plan: Plan, runs: list[dict] | None = None) -> list[dict]:
     return out
 
 
+# the attention kernel's modules: a snapshot keeps their weights and biases, all that the
+# kernel deviation (weights) and the kernel profile Phi (Q/K frozen at the snapshot) read
+QK_MODULES = ("attn.q", "attn.k")
+
 PAIRED_FIELDS = ("sweep", "arm", "warmup_rounds", "alpha", "against", "metric", "n", "diff_mean",
                  "diff_se")
 
@@ -539,10 +543,10 @@ def pack_results(plans: Plan | list[Plan], dest: Path) -> dict:
     """Write ``dest`` (.tar.gz): every completed run of ``plans`` (a plan, or a tuned plan's
     stages: the tuning runs too, which choose the final configurations) with its summary,
     config and the global rows of its metrics, and its warm-up snapshots reduced to the Q/K
-    weights the kernel deviation reads. Unpacking it into an empty ``out_dir`` and running
-    ``--aggregate-only`` gives the tables and figure 7 (they read only global rows); model
-    checkpoints, client states and per-client rows stay behind (large; re-running a run
-    rebuilds them).
+    weights and biases (what the kernel deviation and the kernel profile Phi read). Unpacking
+    it into an empty ``out_dir`` and running ``--aggregate-only`` gives the tables and figure 7
+    (they read only global rows), and ``--profile`` the kernel profile; model checkpoints,
+    client states and per-client rows stay behind (large; re-running a run rebuilds them).
     """
     import torch  # as in kernel_deviation
 
@@ -571,7 +575,7 @@ def pack_results(plans: Plan | list[Plan], dest: Path) -> dict:
             for snap in sorted((spec.run_dir / "checkpoints").glob("round_*.pt")):
                 state = torch.load(snap, map_location="cpu", weights_only=False)
                 qk = {n: t.clone() for n, t in state["global_params"].items()
-                      if n.endswith(("attn.q.weight", "attn.k.weight"))}
+                      if n.rpartition(".")[0].endswith(QK_MODULES)}
                 buf = io.BytesIO()
                 torch.save({"global_params": qk}, buf)
                 add_bytes(tar, f"{spec.key}/checkpoints/{snap.name}", buf.getvalue())

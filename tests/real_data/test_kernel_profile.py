@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import tarfile
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 import yaml
 
 from linattn.cli import main as linattn_main
-from linattn.errors import ConfigError
+from linattn.errors import ConfigError, UserError
 from real_data import study
 from real_data.profile import (
     ADAM_LR,
@@ -267,7 +268,19 @@ def test_bias_and_drift_of_a_tiny_plan(tmp_path):
     assert [r["phi"] for r in again] == [r["phi"] for r in records]
     sliced = study.profile_plan(plan, budget, compute=False, pattern=["digits/ref*/*/seed=0"])
     assert len(sliced) == len(records)  # a cell is kept when one of its runs matches
-    assert study.profile_plan(plan, budget, compute=False, pattern=["other/*"]) == []
+    with pytest.raises(UserError, match="no profile cell"):
+        study.profile_plan(plan, budget, compute=False, pattern=["other/*"])
+    # the study archive keeps what Phi reads (the Q/K weights and biases of every snapshot):
+    # profiled from an unpacked copy of it, every kernel has the same Phi
+    archive = tmp_path / "runs.tar.gz"
+    assert study.pack_results(plan, archive)["snapshots"] > 0
+    copy = study.load_plan(path, tmp_path / "unpacked")
+    with tarfile.open(archive) as tar:
+        tar.extractall(copy.out_dir, filter="data")
+    packed = study.profile_plan(copy, budget, log=lambda *_: None)
+    assert [(r["kind"], r["arm"], r["round"]) for r in packed] == \
+        [(r["kind"], r["arm"], r["round"]) for r in records]
+    assert [r["phi"] for r in packed] == pytest.approx([r["phi"] for r in records], rel=1e-6)
     paths = study.write_kernel_profile(rows, tmp_path / "tables", budget,
                                        study.chosen_t0(study.run_rows(plan)))
     data = json.loads(paths[1].read_text())
