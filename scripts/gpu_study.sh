@@ -22,6 +22,13 @@
 # finished runs then come back whole, and the unfinished groups train again elsewhere).
 # Packing takes time after SECONDS (tens of seconds for large partial groups): a caller's own
 # time limit needs that margin.
+# PROFILE_ARGS (optional, e.g. "--profile-steps 4000 --profile-batch-size 128"): after the
+# workers, the kernel profile of the selection's cells (`linattn study --profile`) on every GPU,
+# one process each (--shard k/ngpu of the cells), for PROFILE_SECONDS (default 0: none) of the
+# SECONDS, the workers getting the rest; a process starts no new cell after half its time. The
+# cache of every Phi computed goes to OUTDIR/profiles.tar.gz: unpack it into the plan's out_dir
+# and run `linattn study --plan P --profile PROFILE_ARGS --aggregate-only` for the tables.
+# A cell is profiled from the snapshots on this machine, so its runs train here first.
 # Each worker (--shard k/n) takes the machine's cores divided by the n workers as its CPU
 # threads (`linattn study --threads`); OMP_NUM_THREADS, when set, decides instead. Each
 # worker's runs record WORKERS_PER_GPU as the processes that shared their GPU
@@ -72,7 +79,9 @@ if [ "$fail" -ne 0 ]; then
   tar -czf "$out/logs.tar.gz" -C "$out" logs && rm -rf "$out/logs"
   exit 1
 fi
-left=$((seconds - ($(date +%s) - start)))
+profile_s=0
+if [ -n "${PROFILE_ARGS:-}" ]; then profile_s=${PROFILE_SECONDS:-0}; fi
+left=$((seconds - profile_s - ($(date +%s) - start)))
 if [ "$left" -le 30 ]; then echo "no time left for workers after pretraining"; workers=0; fi
 launch=$(date +%s)  # what finished before this is what every worker counts as finished
 wpids=()
@@ -89,6 +98,23 @@ monitor=$!
 for p in "${wpids[@]}"; do wait "$p"; done
 kill "$monitor" 2>/dev/null
 echo "workers stopped after $(($(date +%s) - start)) s"
+if [ "$profile_s" -gt 0 ]; then
+  ppids=()
+  for ((k = 0; k < ngpu; k++)); do
+    # shellcheck disable=SC2086  # PROFILE_ARGS holds several options
+    CUDA_VISIBLE_DEVICES=$k timeout -s KILL "$profile_s" \
+      python -m linattn study --plan "$plan" --profile $PROFILE_ARGS --shard "$k/$ngpu" \
+      --deadline "$((profile_s / 2))" --no-tables "$@" > "$out/logs/profile_$k.log" 2>&1 &
+    ppids+=($!)
+  done
+  for ((k = 0; k < ngpu; k++)); do
+    wait "${ppids[$k]}" || { echo "profile on GPU $k failed:"; tail -3 "$out/logs/profile_$k.log"; }
+  done
+  grep -h "^profile " "$out"/logs/profile_*.log | tail -5
+  dest=$(python -c "from real_data import study; print(study.load_plan('$plan').out_dir)")
+  if [ -d "$dest/profiles" ]; then tar -czf "$out/profiles.tar.gz" -C "$dest" profiles; fi
+  echo "profiles stopped after $(($(date +%s) - start)) s"
+fi
 python -m linattn study --plan "$plan" --list "$@" | awk '{print $1}' | sort | uniq -c
 partial=(--pack-partial "$out/partial_runs.tar.gz")
 if [ "${PACK_PARTIAL:-1}" = 0 ]; then partial=(); fi

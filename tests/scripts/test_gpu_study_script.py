@@ -12,6 +12,7 @@ import sys
 import tarfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -229,3 +230,47 @@ def test_gpu_study_script_runs_both_stages_of_a_tuned_plan_in_one_call(tmp_path)
         logs = {m.name: tar.extractfile(m).read().decode() for m in tar.getmembers()
                 if m.name.endswith(".log") and "worker" in m.name}
     assert len(logs) == 2 and all("study (final):" in text for text in logs.values())
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None
+                    or shutil.which("split") is None, reason="needs bash, timeout and split")
+def test_gpu_study_script_profiles_the_cells_it_trained(tmp_path):
+    env = _stand_in_env(tmp_path)
+    out_dir = tmp_path / "runs"
+    plan_path = tmp_path / "plan.yaml"
+    plan_path.write_text(yaml.safe_dump({
+        "name": "profiled", "out_dir": str(out_dir), "seeds": [0, 1],
+        "sweeps": [{"name": "digits", "config": "digits_vit",
+                    "overrides": [*TINY, "partition.validation_fraction=0.2"],
+                    "alphas": [0.5], "arms": [
+                        {"name": "frozen", "overrides": ["algorithm.name=fedfrozen",
+                                                         "algorithm.train=all_but_qk"],
+                         "warmup_rounds": [0, 2, 3]},
+                        {"name": "reference", "overrides": ["algorithm.name=fedavg",
+                                                            "partition.scheme=iid",
+                                                            "partition.num_clients=1"],
+                         "reference": True}]}]}))
+    args = "--profile-steps 4 --profile-eval-every 2 --device cpu"
+    res = subprocess.run(["bash", str(SCRIPT), str(plan_path), "300", "1", str(tmp_path / "o")],
+                         cwd=ROOT, env={**env, "PROFILE_ARGS": args, "PROFILE_SECONDS": "150"},
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "profiles stopped after" in res.stdout
+    with tarfile.open(tmp_path / "o" / "profiles.tar.gz") as tar:
+        cached = [m for m in tar.getnames() if m.endswith(".json")]
+    # two cells (one per seed, spread over the two stand-in GPUs), each with the three T0
+    # snapshots of the arm and the reference's at the same rounds
+    assert len(cached) == 2 * (3 + 3)
+    # unpacked into a fresh out_dir beside the packed runs, the tables read the cache alone
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    data = b"".join(p.read_bytes() for p in sorted((tmp_path / "o").glob("study_runs*")))
+    (tmp_path / "all.tar.gz").write_bytes(data)
+    for archive in (tmp_path / "all.tar.gz", tmp_path / "o" / "profiles.tar.gz"):
+        with tarfile.open(archive) as tar:
+            tar.extractall(fresh, filter="data")
+    plan = study.load_plan(plan_path, fresh)
+    from real_data.profile import Budget
+
+    records = study.profile_plan(plan, Budget(4, phi_rule="min", eval_every=2), compute=False)
+    assert len(records) == 12 and all(np.isfinite(r["phi"]) for r in records)
