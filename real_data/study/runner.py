@@ -62,6 +62,20 @@ def _local_work(cfg, floor: float = 0.0) -> float:
     return max(clients / REFERENCE_CLIENTS, floor) * (1.0 + float(steps)) / 11.0
 
 
+def _block_work(cfg) -> float | None:
+    """A Transformer's weight multiply-adds per token, depth (4 d^2 + 2 d mlp_dim) (the Q, K,
+    V and output projections and the MLP), from its config; None for a model without
+    ``dim``, ``depth`` and ``mlp_dim``. A sweep not run yet is priced by its ratio to the
+    measured sweeps' median (at least 1: a smaller model's round is not cheaper on a GPU that a
+    small model leaves idle), an upper bound for a model that a small one's latency hides."""
+    p = cfg.model.params
+    dims = [getattr(p, k, None) for k in ("dim", "depth", "mlp_dim")]
+    if not all(isinstance(x, int) and x > 0 for x in dims):
+        return None
+    d, depth, mlp = dims
+    return float(depth * (4 * d * d + 2 * d * mlp))
+
+
 def _attention(cfg) -> str | None:
     """The model's attention kind (softmax, linear, ...), None for a model without one."""
     return getattr(cfg.model.params, "attention", None)
@@ -128,12 +142,19 @@ def group_cost(members: list[RunSpec], pace: dict | None = None,
             # its attention's measured ratio (linear attention ~1.4-1.9x softmax on the ViT)
             base = pace[head.sweep.name] if head.sweep.name in pace else \
                 pace["*"] * _local_work(cfg, WIDTH_FLOOR) \
-                * pace.get(("*attention", _attention(cfg)), 1.0)
+                * pace.get(("*attention", _attention(cfg)), 1.0) * _model_scale(cfg, pace)
             per_round = base * pace.get(("*", head.arm.name),
                                         0.3 if head.arm.reference else 1.0)
         return cost * per_round
     # one client: a fraction of a round
     return cost * _local_work(cfg)
+
+
+def _model_scale(cfg, pace: dict) -> float:
+    """A sweep not measured yet: its :func:`_block_work` over the measured sweeps' median
+    (``pace["*model"]``), at least 1; 1 where either is unknown."""
+    work, ref = _block_work(cfg), pace.get("*model")
+    return 1.0 if work is None or not ref else max(1.0, work / ref)
 
 
 def batch_cost(batch: list[list[RunSpec]], pace: dict | None = None,
@@ -150,7 +171,9 @@ def measured_pace(specs: list[RunSpec], before: float | None = None,
     K, is priced by its own local work); and each arm's median ratio to its sweep's median
     (``("*", arm)``, for an arm not yet run in some sweep); the median pace per unit of local
     work of the sweeps of each attention kind relative to the overall one (``("*attention",
-    kind)``, for a sweep not run yet); empty when none ran on a GPU. CPU runs are left out.
+    kind)``, for a sweep not run yet) and the measured sweeps' median model work per token
+    (``"*model"``, :func:`_block_work`, for a sweep of a larger model not run yet); empty when
+    none ran on a GPU. CPU runs are left out.
 
     By default a pace is a run's wall seconds per round, what a worker sharing the GPU as the
     run did sees (``--deadline``). With ``device_share``, it is the GPU's seconds per round:
@@ -220,12 +243,14 @@ def _pace(measured: list[tuple[RunSpec, float]]) -> dict:
     by_arm: dict[tuple, list[float]] = {}
     work: dict[str, float] = {}  # each measured sweep's local work per round
     kind: dict[str, str | None] = {}  # and its attention
+    model: dict[str, float | None] = {}  # and its model's work per token
     for s, sec in measured:
         by_arm.setdefault((s.sweep.name, s.arm.name), []).append(sec)
         if s.sweep.name not in work:
             cfg = run_config(s, s.warmup_rounds)
             work[s.sweep.name] = _local_work(cfg, WIDTH_FLOOR)
             kind[s.sweep.name] = _attention(cfg)
+            model[s.sweep.name] = _block_work(cfg)
     if not by_arm:
         return {}
     pace: dict = {k: float(np.median(v)) for k, v in by_arm.items()}
@@ -236,6 +261,9 @@ def _pace(measured: list[tuple[RunSpec, float]]) -> dict:
     for arm in {k[1] for k in by_arm}:  # ("*", arm): the arm's pace relative to its sweeps'
         pace[("*", arm)] = float(np.median([pace[k] / pace[k[0]] for k in by_arm
                                             if k[1] == arm]))
+    sizes = [m for m in model.values() if m is not None]
+    if sizes:  # "*model": the measured sweeps' median model work per token
+        pace["*model"] = float(np.median(sizes))
     for a in set(kind.values()):  # ("*attention", kind): its runs' pace per unit of work
         pace[("*attention", a)] = float(np.median([x / work[k[0]] for k, v in by_arm.items()
                                                   if kind[k[0]] == a for x in v])) / pace["*"]

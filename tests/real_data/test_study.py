@@ -443,6 +443,33 @@ def test_a_slice_not_run_yet_is_priced_by_the_plan_and_a_late_batch_splits(tmp_p
     assert ran == [[0, 1, 2, 3]]
 
 
+def test_a_larger_model_not_run_yet_is_priced_by_its_work_per_token(tmp_path):
+    """A sweep of a larger Transformer not run yet costs the measured pace times its weight
+    work per token, depth (4 d^2 + 2 d mlp_dim), over the measured sweeps' median; a smaller
+    one is not priced below the measured pace."""
+    data = yaml.safe_load(yaml.safe_dump(PLAN))
+    base = dict(data["sweeps"][0], arms=data["sweeps"][0]["arms"][:1])
+    data["sweeps"] = [dict(base, name="small"),
+                      dict(base, name="big", overrides=[*base["overrides"], "model.dim=16",
+                                                        "model.depth=3", "model.mlp_dim=64"]),
+                      dict(base, name="tiny", overrides=[*base["overrides"], "model.dim=4"])]
+    plan = _plan(tmp_path, data)
+    small = study.plan_runs(plan)[0]
+    small.run_dir.mkdir(parents=True)
+    (small.run_dir / "summary.json").write_text(json.dumps(
+        {"status": "completed", "device": {"type": "cuda"}, "seconds_per_round": 1.5}))
+    pace = study.measured_pace(study.plan_runs(plan))
+    cfgs = {s.sweep.name: study.run_config(s, None) for s in study.plan_runs(plan)}
+    mlp = cfgs["small"].model.params.mlp_dim
+    assert runner._block_work(cfgs["small"]) == 1 * (4 * 8 * 8 + 2 * 8 * mlp)
+    assert runner._block_work(cfgs["big"]) == 3 * (4 * 16 * 16 + 2 * 16 * 64)
+    assert pace["*model"] == runner._block_work(cfgs["small"])
+    rows = {r["sweep"]: r["gpu_seconds"] for r in study.estimate(plan)}
+    ratio = runner._block_work(cfgs["big"]) / runner._block_work(cfgs["small"])
+    assert ratio > 1 and rows["big"] == pytest.approx(3 * 1.5 * ratio)
+    assert rows["tiny"] == pytest.approx(3 * 1.5)
+
+
 def test_a_sweep_not_run_yet_is_priced_by_its_attentions_measured_ratio(tmp_path):
     """Each attention kind's pace per unit of local work, the median over its runs (not its
     sweeps), relative to the overall median, prices a sweep of that kind not run yet."""
