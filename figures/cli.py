@@ -27,7 +27,8 @@ from figures.common import FigureError
 MODULES = {1: "fig1_bias_drift", 2: "fig2_final_error", 3: "fig3_optimal_warmup",
            4: "fig4_frozen_floor", 5: "fig5_bound", 6: "fig6_gradient_jumps",
            7: "fig7_real_data", 8: "fig8_partitions", 9: "fig9_schedules",
-           10: "fig10_shift_map", 11: "fig11_freeze_timing", 12: "fig12_p3_real"}
+           10: "fig10_shift_map", 11: "fig11_freeze_timing", 12: "fig12_p3_real",
+           13: "fig13_p3_curves"}
 SIMULATED = (1, 2, 3, 4, 5, 6)  # the figures drawn from the validation result
 
 
@@ -39,8 +40,8 @@ class _Parser(argparse.ArgumentParser):
 DESCRIPTIONS = {
     "reproduce": "The main job: run the theory and simulation checks P1-P6, draw figures 1-6 "
                  "and 8-10 (and 7 from existing real-data runs with --real-data, 11 where that "
-                 "folder holds a freeze-rule report, 12 where it holds a P3 study's T0 "
-                 "choices), and write "
+                 "folder holds a freeze-rule report, 12 and 13 where it holds a P3 study's "
+                 "T0 choices and per-run scores), and write "
                  "OUT/report.md with every prediction, its criterion, the numbers and PASS or "
                  "FAIL. Intermediate results are cached, so a second call redraws in seconds. "
                  "No GPU and no download needed.",
@@ -52,7 +53,9 @@ DESCRIPTIONS = {
               "real data: accuracy against T0 with each online rule's choice (needs "
               "--real-data: a freeze-rule study's export folder), 12 P3 on real networks: "
               "the validation-selected T0 along K and the step size against the exact "
-              "model's direction (needs --real-data: a P3 study's export folder).",
+              "model's direction (needs --real-data: a P3 study's export folder), 13 P3 on "
+              "real networks: test accuracy against T0 per setting and per arm (the same "
+              "folder).",
 }
 
 
@@ -67,7 +70,7 @@ def _parser(command: str) -> argparse.ArgumentParser:
     top.add_argument("--real-data", type=Path, default=None, metavar="RUNS_DIR",
                      help="folder of real-data run directories (a study's out_dir): figure 7; "
                           "figure 11: a freeze-rule study's export folder or out_dir; "
-                          "figure 12: a P3 study's export folder or out_dir")
+                          "figures 12 and 13: a P3 study's export folder or out_dir")
     top.add_argument("--threads", type=int, default=2, metavar="N",
                      help="torch threads (default 2)")
     top.add_argument("--cache", type=Path, default=None, metavar="DIR",
@@ -77,7 +80,7 @@ def _parser(command: str) -> argparse.ArgumentParser:
 
 def _draw(number: int, result, grid, out_dir, cache_dir, real_data):
     module = importlib.import_module(f"figures.{MODULES[number]}")
-    if number in (7, 11, 12):
+    if number in (7, 11, 12, 13):
         return module.make(real_data, out_dir)
     if number == 8:
         return module.make(out_dir)
@@ -128,9 +131,11 @@ def reproduce(args, command: str) -> int:
     if args.real_data is not None:  # figure 11 where the folder holds a freeze-rule report
         from figures.fig11_freeze_timing import has_report
         from figures.fig12_p3_real import has_choices
+        from figures.fig13_p3_curves import has_curves
 
         numbers += [11] if has_report(args.real_data) else []
         numbers += [12] if has_choices(args.real_data) else []
+        numbers += [13] if has_curves(args.real_data) else []
     figures = []
     for number in numbers:
         fig = step(f"figure {number} ({MODULES[number]})",
@@ -158,9 +163,9 @@ def figure(args) -> int:
     if args.number == 11 and args.real_data is None:
         raise FigureError("figure 11 reads a freeze-rule study's tables: give --real-data DIR "
                           "(e.g. docs/study/freeze_rules)")
-    if args.number == 12 and args.real_data is None:
-        raise FigureError("figure 12 reads a P3 study's T0 choices: give --real-data DIR "
-                          "(e.g. docs/study/p3)")
+    if args.number in (12, 13) and args.real_data is None:
+        raise FigureError(f"figure {args.number} reads a P3 study's T0 choices: give "
+                          "--real-data DIR (e.g. docs/study/p3)")
     set_threads(args.threads)
     grid = grid_for(args.quick)
     cache_dir = cache_dir_for(args.out, args.cache)

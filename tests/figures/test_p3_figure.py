@@ -137,3 +137,59 @@ def test_one_axis_alone_crosses_at_its_middle_value():
                                             partition=p)))
             for lr in (0.05, 0.2, 0.5) for p in ("dirichlet", "iid")]
     assert layout(rows)["centre"] == (10, 0.2)
+
+
+def _per_run(folder, curves):
+    """``study_per_run.csv`` with, for every (sweep, arm), seed s scoring curve(T0) + 0.01 s."""
+    import csv
+
+    with open(folder / "study_per_run.csv", "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["sweep", "arm", "warmup_rounds", "alpha", "seed", "score", "val_score",
+                    "status"])
+        for (sweep, arm), f in curves.items():
+            for t0 in (0, 5, 10, 20, 40, 80, 120, 160, 200):
+                for s in (0, 1, 2):
+                    w.writerow([sweep, arm, t0, 0.1, s, f(t0) + 0.01 * s, f(t0), "completed"])
+            w.writerow([sweep, "reference", "", 0.1, 0, 0.9, 0.9, "completed"])  # no T0
+
+
+def test_figure_13_draws_each_settings_curve_and_the_kernel_panel(tmp_path, capsys):
+    rows = [_row("lin_K2", 0.1, 160, 120, 200, "linear", 2, 0.2),
+            _row("lin_K10", 0.1, 160, 160, 200, "linear", 10, 0.2),
+            _row("lin_K10", 0.1, 0, 0, 0, "linear", 10, 0.2, freeze="v_attn_out",
+                 arm="control"),
+            _row("lin_K10", 0.1, 160, 160, 200, "linear", 10, 0.2, base="scaffold",
+                 arm="on_scaffold"),
+            _row("lin_lr05", 0.1, 120, 80, 160, "linear", 10, 0.5),
+            _row("sm_K10", 0.1, 120, 80, 160, "softmax", 10, 0.2)]
+    folder = _export(tmp_path / "export", rows)
+    rise = lambda t0: 0.6 + 0.0002 * t0  # noqa: E731
+    _per_run(folder, {("lin_K2", "fedfrozen"): rise, ("lin_K10", "fedfrozen"): rise,
+                      ("lin_K10", "control"): lambda t0: 0.7 - 0.0001 * t0,
+                      ("lin_K10", "on_scaffold"): rise, ("lin_lr05", "fedfrozen"): rise,
+                      ("sm_K10", "fedfrozen"): rise})
+    from figures.fig13_p3_curves import panels
+
+    data = panels(folder)
+    assert [c["sweep"] for c in data["K"]] == ["lin_K2", "lin_K10"]  # linear, at lr 0.2
+    assert [c["sweep"] for c in data["lr"]] == ["lin_K10", "lin_lr05"]
+    kernel = {(c["sweep"], c["arm"]) for c in data["kernel"]}
+    assert kernel == {("lin_K10", "fedfrozen"), ("lin_K10", "control"),
+                      ("lin_K10", "on_scaffold"), ("sm_K10", "fedfrozen")}
+    c = next(c for c in data["K"] if c["sweep"] == "lin_K2")
+    assert c["mean"][0] == pytest.approx(0.61) and c["mean"][-1] == pytest.approx(0.65)
+    assert c["se"][0] == pytest.approx(0.01 / 3 ** 0.5) and c["t"] == 0.8
+    assert main(["figure", "13", "--real-data", str(folder), "--out", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    assert (tmp_path / "o" / "fig13_p3_curves.png").stat().st_size > 10_000
+    assert "lin_K10/control: 0.710 at T0 = 0, 0.690 at T0 = T" in out
+
+
+def test_figure_13_without_per_run_scores_exits_2_naming_the_fix(tmp_path, capsys):
+    folder = _export(tmp_path / "export", [_row("lin_K10", 0.1, 160, 160, 200, "linear",
+                                                 10, 0.2)])
+    assert main(["figure", "13", "--real-data", str(folder), "--out", str(tmp_path / "o")]) == 2
+    assert "no study_per_run.csv" in capsys.readouterr().err
+    assert not (tmp_path / "o" / "fig13_p3_curves.png").exists()
+    assert main(["figure", "13", "--out", str(tmp_path / "o")]) == 2
