@@ -107,6 +107,17 @@ def _penalty(problem, kernel, value) -> float:
 _GATHER_BYTES = 1 << 21
 
 
+def _run_setup(problem: Problem, lr: float, seed: int, batch_size: int,
+               samples_per_client: int, validation_fraction: float):
+    """The data, the minibatch stream and the steps of the finite-sample run for ``seed``
+    (:func:`probe_run`, :func:`frozen_continuations`, :func:`rule_run`: the data and the draws
+    on streams of their own, spawned from the seed); B = min(``batch_size``, N)."""
+    data_rng, draw_rng = (np.random.default_rng(s)
+                          for s in np.random.SeedSequence(seed).spawn(2))
+    data = sample_clients(problem, samples_per_client, validation_fraction, data_rng)
+    return data, draw_rng, _Steps(problem, data, lr, min(batch_size, data.query.shape[1]))
+
+
 class _Steps:
     """The minibatch SGD steps of one run on its training data, with the buffers they reuse.
 
@@ -124,6 +135,7 @@ class _Steps:
     def __init__(self, problem: Problem, data: SampledClients, lr: float, batch_size: int):
         c, n, d, dy = problem.num_clients, data.query.shape[1], problem.dim, problem.out_dim
         self.problem, self.lr, self.dim, self.out_dim, self.train = problem, lr, d, dy, n
+        self.batch_size = batch_size
         per_client = data.table.shape[1]
         self.records = data.table.reshape(c * per_client, data.table.shape[2])
         self.record_offsets = per_client * np.arange(c)[:, None]
@@ -275,12 +287,9 @@ def probe_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int
         probe_rounds = int(round(probe_fraction * t_total))
     require(probe_rounds >= 2, "probe_rounds", probe_rounds, "an integer >= 2")
     interval = max(1, t_total // 25) if interval is None else int(interval)
-    data_rng, draw_rng = (np.random.default_rng(s)
-                          for s in np.random.SeedSequence(seed).spawn(2))
-    data = sample_clients(problem, samples_per_client, validation_fraction, data_rng)
-    c, n_train = problem.num_clients, data.query.shape[1]
-    bsz = min(batch_size, n_train)
-    steps = _Steps(problem, data, lr, bsz)
+    data, draw_rng, steps = _run_setup(problem, lr, seed, batch_size, samples_per_client,
+                                       validation_fraction)
+    c, n_train, bsz = problem.num_clients, steps.train, steps.batch_size
 
     def draws():
         return [draw_rng.integers(0, n_train, size=(c, bsz)) for _ in range(local_steps)]
@@ -384,18 +393,15 @@ def rule_run(problem: Problem, start: InitialPoint, lr: float, local_steps: int,
             total_rounds, "an integer T >= 1")
     t_total = int(total_rounds)
     made = {str(r): make_rule(str(r), t_total) for r in rules}
-    data_rng, draw_rng = (np.random.default_rng(s)
-                          for s in np.random.SeedSequence(seed).spawn(2))
-    data = sample_clients(problem, samples_per_client, validation_fraction, data_rng)
-    c, n_train = problem.num_clients, data.query.shape[1]
-    bsz = min(batch_size, n_train)
+    data, draw_rng, steps = _run_setup(problem, lr, seed, batch_size, samples_per_client,
+                                       validation_fraction)
+    c, n_train, bsz = problem.num_clients, steps.train, steps.batch_size
     probe_rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(4)[3])
     chol = np.linalg.cholesky(problem.covariances)
     owner = np.arange(probe_rows) % c
     z = probe_rng.standard_normal((probe_rows, problem.context_length + 1, problem.dim))
     x = np.einsum("rnd,red->rne", z, chol[owner])            # rows x^T per sequence
     probe_query, probe_context = x[:, 0], x[:, 1:]
-    steps = _Steps(problem, data, lr, bsz)
     kernel, value = start.kernel.astype(np.float64), start.value.astype(np.float64)
     first = _validation_loss(problem, data, kernel, value)
     scale = abs(first) if first != 0 else 1.0
@@ -466,12 +472,9 @@ def frozen_continuations(problem: Problem, start: InitialPoint, lr: float, local
             total_rounds, "an integer T >= 1")
     t_total = int(total_rounds)
     interval = max(1, t_total // 25) if interval is None else int(interval)
-    data_rng, draw_rng = (np.random.default_rng(s)
-                          for s in np.random.SeedSequence(seed).spawn(2))
-    data = sample_clients(problem, samples_per_client, validation_fraction, data_rng)
-    c, n_train = problem.num_clients, data.query.shape[1]
-    bsz = min(batch_size, n_train)
-    steps = _Steps(problem, data, lr, bsz)
+    data, draw_rng, steps = _run_setup(problem, lr, seed, batch_size, samples_per_client,
+                                       validation_fraction)
+    c, n_train, bsz = problem.num_clients, steps.train, steps.batch_size
 
     def draws(rng):
         return [rng.integers(0, n_train, size=(c, bsz)) for _ in range(local_steps)]
