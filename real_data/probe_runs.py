@@ -295,8 +295,8 @@ class ProbeDriver:
     def _candidates(self, sel: ProbeSelector) -> tuple[int, ...]:
         """Snapshots that can still be chosen: the best of the smoothed predictions that are
         final (all but the newest, whose median waits for the next), and the newest (``choose``
-        takes the best by :func:`~linattn_theory.probe.best_snapshot`, the first minimum of the
-        smoothed predictions, and later predictions never change final ones).
+        takes the best by :func:`~linattn_theory.probe.best_snapshot` under the selector's
+        tie-break, a total order, and later predictions never change final ones).
         The oldest smoothed value follows the trend of the next two medians (the end-point
         rule of :func:`linattn_theory.probe.smoothed`), final from the fourth prediction on:
         until then every snapshot stays."""
