@@ -73,6 +73,8 @@ def make_study(root: Path, rounds: int = 6) -> Path:
         t0_choice_row("lin_K2", 0.1, 200, 160, 200, "linear", 2, 0.2),
         t0_choice_row("lin_K10", 0.1, 160, 160, 200, "linear", 10, 0.2),
         t0_choice_row("lin_lr05", 0.1, 120, 80, 160, "linear", 10, 0.5)])
+    write_per_run_export(root / "tables", {(sweep, "fedfrozen"): lambda t0: 0.6 + 0.0002 * t0
+                                           for sweep in ("lin_K2", "lin_K10", "lin_lr05")})
     return root
 
 
@@ -90,6 +92,25 @@ def t0_choice_row(sweep, alpha, t0, lo, hi, attention, k, lr, momentum=0.0,
     return [sweep, alpha, arm, 3, "0 5 10 20 40 80 120 160 200", t0, "val_score", 0.7,
             lo, hi, 0.9, 0.69, 2000, 0.95, attention, k, lr, momentum, "sgd", partition,
             clients, per_round, 200, dim, freeze, base]
+
+
+def write_per_run_export(folder: Path, curves: dict) -> Path:
+    """``folder/study_per_run.csv`` as ``linattn study --export`` writes it (the columns figure
+    13 reads): for every (sweep, arm) -> f of ``curves``, seed s in 0..2 scoring f(T0) + 0.01 s
+    at every T0 of the P3 grid, and one reference run without a T0."""
+    import csv
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "study_per_run.csv", "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["sweep", "arm", "warmup_rounds", "alpha", "seed", "score", "val_score",
+                    "status"])
+        for (sweep, arm), f in curves.items():
+            for t0 in (0, 5, 10, 20, 40, 80, 120, 160, 200):
+                for s in (0, 1, 2):
+                    w.writerow([sweep, arm, t0, 0.1, s, f(t0) + 0.01 * s, f(t0), "completed"])
+            w.writerow([sweep, "reference", "", 0.1, 0, 0.9, 0.9, "completed"])
+    return folder
 
 
 def write_t0_choice_export(folder: Path, rows: list[list]) -> Path:

@@ -2,7 +2,12 @@
 export writes for it."""
 
 import pytest
-from figure_checks import T0_CHOICE_HEADER, t0_choice_row, write_t0_choice_export
+from figure_checks import (
+    T0_CHOICE_HEADER,
+    t0_choice_row,
+    write_per_run_export,
+    write_t0_choice_export,
+)
 
 from linattn.cli import main
 
@@ -139,21 +144,6 @@ def test_one_axis_alone_crosses_at_its_middle_value():
     assert layout(rows)["centre"] == (10, 0.2)
 
 
-def _per_run(folder, curves):
-    """``study_per_run.csv`` with, for every (sweep, arm), seed s scoring curve(T0) + 0.01 s."""
-    import csv
-
-    with open(folder / "study_per_run.csv", "w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(["sweep", "arm", "warmup_rounds", "alpha", "seed", "score", "val_score",
-                    "status"])
-        for (sweep, arm), f in curves.items():
-            for t0 in (0, 5, 10, 20, 40, 80, 120, 160, 200):
-                for s in (0, 1, 2):
-                    w.writerow([sweep, arm, t0, 0.1, s, f(t0) + 0.01 * s, f(t0), "completed"])
-            w.writerow([sweep, "reference", "", 0.1, 0, 0.9, 0.9, "completed"])  # no T0
-
-
 def test_figure_13_draws_each_settings_curve_and_the_kernel_panel(tmp_path, capsys):
     rows = [_row("lin_K2", 0.1, 160, 120, 200, "linear", 2, 0.2),
             _row("lin_K10", 0.1, 160, 160, 200, "linear", 10, 0.2),
@@ -165,7 +155,7 @@ def test_figure_13_draws_each_settings_curve_and_the_kernel_panel(tmp_path, caps
             _row("sm_K10", 0.1, 120, 80, 160, "softmax", 10, 0.2)]
     folder = _export(tmp_path / "export", rows)
     rise = lambda t0: 0.6 + 0.0002 * t0  # noqa: E731
-    _per_run(folder, {("lin_K2", "fedfrozen"): rise, ("lin_K10", "fedfrozen"): rise,
+    write_per_run_export(folder, {("lin_K2", "fedfrozen"): rise, ("lin_K10", "fedfrozen"): rise,
                       ("lin_K10", "control"): lambda t0: 0.7 - 0.0001 * t0,
                       ("lin_K10", "on_scaffold"): rise, ("lin_lr05", "fedfrozen"): rise,
                       ("sm_K10", "fedfrozen"): rise})
