@@ -258,6 +258,10 @@ def _study(argv: list[str]) -> int:
                     help="then archive the finished runs' global metrics and Q/K snapshots, "
                     "the tuning runs too where the stages ran together (small; unpack into "
                     "out_dir and --aggregate-only elsewhere)")
+    ap.add_argument("--pack-except", type=Path, metavar="FILE.tar.gz",
+                    help="with --pack: leave out the runs this --markers (or --pack) archive "
+                    "holds with the same summary.json, the ones that came back before (on a "
+                    "machine kept between calls, --pack then holds only the new runs)")
     ap.add_argument("--markers", type=Path, metavar="FILE.tar.gz",
                     help="write the summary.json and config.yaml of every finished run "
                     "group; unpacked into out_dir on a fresh machine, the study skips them (a "
@@ -350,6 +354,9 @@ def _study(argv: list[str]) -> int:
     if args.pace_workers < 1:
         raise UserError(f"--pace-workers={args.pace_workers}: worker processes per GPU, an "
                         "integer >= 1")
+    if args.pack_except is not None and args.pack is None:
+        raise UserError("--pack-except: only with --pack (it names the runs --pack leaves out)")
+    before = None if args.pack_except is None else study.packed_before(args.pack_except)
     if args.pace_table is not None and args.pace_from is None:
         raise UserError("--pace-table: only with --pace-from PLAN (the plan that wrote it)")
     if args.pace_table is not None:  # read now, so a wrong file is named before any pricing
@@ -551,8 +558,9 @@ def _study(argv: list[str]) -> int:
         print(f"marked {study.write_markers(stage_plans, args.markers)} finished runs in "
               f"{args.markers}")
     if args.pack is not None:  # every stage reached: the tuning runs choose the final ones
-        packed = study.pack_results(stage_plans, args.pack)
-        print(f"packed {packed['runs']} runs, {packed['snapshots']} snapshots into {args.pack}")
+        packed = study.pack_results(stage_plans, args.pack, before)
+        print(f"packed {packed['runs']} runs, {packed['snapshots']} snapshots into {args.pack}"
+              + (f" ({packed['skipped']} that came back before left out)" if before else ""))
     if args.pack_partial is not None:
         part = study.pack_partial(stage_plans, args.pack_partial)
         print(f"packed {part['runs']} runs of {part['families']} unfinished groups "

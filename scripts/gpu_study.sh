@@ -17,6 +17,9 @@
 # included), if any, and OUTDIR/choices.json is the tuning's choice, if made: carry them to the
 # next machine (the choice as --choices, so a restore there knows the final runs).
 # Archives an earlier call left in OUTDIR are removed once PARTIAL_ARCHIVE is restored.
+# PACK_NEW_ONLY=1 (with DONE_ARCHIVE): the packed runs leave out those DONE_ARCHIVE holds with
+# the same summary.json (`linattn study --pack-except`): on a machine kept warm between calls,
+# what an earlier call trained and packed does not come back twice.
 # PACK_PARTIAL=0: no archive of the unfinished groups (they hold every checkpoint, often far
 # larger than the finished runs; where what comes back from the machine is bounded, the
 # finished runs then come back whole, and the unfinished groups train again elsewhere).
@@ -118,8 +121,12 @@ fi
 python -m linattn study --plan "$plan" --list "$@" | awk '{print $1}' | sort | uniq -c
 partial=(--pack-partial "$out/partial_runs.tar.gz")
 if [ "${PACK_PARTIAL:-1}" = 0 ]; then partial=(); fi
+except=()
+if [ "${PACK_NEW_ONLY:-0}" = 1 ] && [ -n "${DONE_ARCHIVE:-}" ]; then
+  except=(--pack-except "$DONE_ARCHIVE")
+fi
 python -m linattn study --plan "$plan" --aggregate-only --no-tables \
-  --pack "$out/study_runs.tar.gz" ${partial[@]+"${partial[@]}"} \
+  --pack "$out/study_runs.tar.gz" ${partial[@]+"${partial[@]}"} ${except[@]+"${except[@]}"} \
   --markers "$out/done_markers.tar.gz" "$@" | tail -3
 split -b 15M -d "$out/study_runs.tar.gz" "$out/study_runs.tar.gz.part" && rm "$out/study_runs.tar.gz"
 if [ -n "$(tar -tzf "$out/partial_runs.tar.gz" 2>/dev/null | head -n 1)" ]; then

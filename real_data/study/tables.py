@@ -539,7 +539,25 @@ def _write_run_tables(runs: list[dict], out_dir: Path) -> list[Path]:
     return paths
 
 
-def pack_results(plans: Plan | list[Plan], dest: Path) -> dict:
+def packed_before(archive: Path) -> dict[str, bytes]:
+    """{run key: its summary.json's bytes} of every run a ``--markers`` archive (or a ``--pack``
+    archive) holds: the runs that came back from an earlier machine."""
+    archive = Path(archive)
+    out = {}
+    try:
+        with tarfile.open(archive, "r:*") as tar:
+            for m in tar.getmembers():
+                name = m.name.removeprefix("./")
+                if m.isfile() and name.endswith("/summary.json"):
+                    out[name[: -len("/summary.json")]] = tar.extractfile(m).read()
+    except (OSError, tarfile.TarError) as exc:
+        raise DataError(f"{archive}: not a readable study archive ({exc}); pass the "
+                        "done_markers.tar.gz of an earlier call") from None
+    return out
+
+
+def pack_results(plans: Plan | list[Plan], dest: Path,
+                 except_runs: dict[str, bytes] | None = None) -> dict:
     """Write ``dest`` (.tar.gz): every completed run of ``plans`` (a plan, or a tuned plan's
     stages: the tuning runs too, which choose the final configurations) with its summary,
     config and the global rows of its metrics, and its warm-up snapshots reduced to the Q/K
@@ -547,11 +565,15 @@ def pack_results(plans: Plan | list[Plan], dest: Path) -> dict:
     it into an empty ``out_dir`` and running ``--aggregate-only`` gives the tables and figure 7
     (they read only global rows), and ``--profile`` the kernel profile; model checkpoints,
     client states and per-client rows stay behind (large; re-running a run rebuilds them).
+    ``except_runs`` (:func:`packed_before`): a run whose summary.json is the one recorded there
+    came back before and is left out (counted as ``skipped``); a run trained again since (its
+    configuration changed) differs and is packed.
     """
     import torch  # as in kernel_deviation
 
     dest = Path(dest)
-    counts = {"runs": 0, "snapshots": 0}
+    counts = {"runs": 0, "snapshots": 0, "skipped": 0}
+    except_runs = except_runs or {}
 
     def add_bytes(tar, name: str, data: bytes) -> None:
         info = tarfile.TarInfo(name)
@@ -564,6 +586,10 @@ def pack_results(plans: Plan | list[Plan], dest: Path) -> dict:
             finished = run_status(spec.run_dir) in FINAL
             if not finished or not (spec.run_dir / "metrics.csv").is_file():
                 continue  # unfinished, or only a marker of a run finished elsewhere
+            before = except_runs.get(spec.key)
+            if before is not None and (spec.run_dir / "summary.json").read_bytes() == before:
+                counts["skipped"] += 1
+                continue
             counts["runs"] += 1
             for name in ("summary.json", "config.yaml"):
                 if (spec.run_dir / name).is_file():

@@ -285,9 +285,28 @@ def test_pack_and_markers_carry_a_study_to_another_machine(tmp_path):
     plan = _plan(tmp_path)
     study.run_study(plan, log=lambda *_: None)
     packed = study.pack_results(plan, tmp_path / "runs.tar.gz")
-    assert packed == {"runs": 4, "snapshots": 4}  # frozen T0=2 head: 0, 2; reference: 0, 2
+    assert packed == {"runs": 4, "snapshots": 4, "skipped": 0}  # T0=2 head: 0, 2; ref: 0, 2
     marked = study.write_markers(plan, tmp_path / "done.tar.gz")
     assert marked == 4
+    # the same machine, a later call: what came back before is left out of the pack, unless
+    # the run trained again (its summary.json differs)
+    before = study.packed_before(tmp_path / "done.tar.gz")
+    assert len(before) == 4
+    assert study.pack_results(plan, tmp_path / "new.tar.gz", before) == {
+        "runs": 0, "snapshots": 0, "skipped": 4}
+    retrained = study.plan_runs(plan)[0].run_dir / "summary.json"
+    retrained.write_text(retrained.read_text().replace("}", ', "again": 1}', 1))
+    assert study.pack_results(plan, tmp_path / "new.tar.gz", before)["runs"] == 1
+    with pytest.raises(DataError, match="not a readable study archive"):
+        study.packed_before(retrained)
+    res = run_cli("study", "--plan", str(tmp_path / "plan.yaml"), "--out", str(tmp_path / "x"),
+                  "--aggregate-only", "--pack-except", str(tmp_path / "done.tar.gz"))
+    assert res.returncode == 2 and "--pack-except: only with --pack" in res.stderr
+    res = run_cli("study", "--plan", str(tmp_path / "plan.yaml"), "--out", str(tmp_path / "x"),
+                  "--aggregate-only", "--pack", str(tmp_path / "p.tar.gz"), "--pack-except",
+                  str(retrained))
+    assert res.returncode == 2 and "not a readable study archive" in res.stderr
+    assert not (tmp_path / "p.tar.gz").exists()
     # another machine: the markers alone make every group skip, and nothing is packed twice
     other = study.replace_out(plan, tmp_path / "other")
     other.out_dir.mkdir()

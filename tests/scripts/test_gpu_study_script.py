@@ -91,6 +91,13 @@ def test_gpu_study_script_runs_packs_and_resumes_from_markers(tmp_path):
         ("fedavg", None), ("frozen", 0), ("frozen", 2), ("fedsq", None)}
     assert all(r["n_seeds"] == 2 for r in rows)
 
+    # the same machine, a later call with PACK_NEW_ONLY: nothing new trained, nothing comes back
+    # twice (the runs the markers hold are left out of the pack)
+    again = call(tmp_path / "out1b", DONE_ARCHIVE=str(tmp_path / "out1" / "done_markers.tar.gz"),
+                 PACK_NEW_ONLY="1")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "packed 0 runs" in again.stdout and "8 that came back before left out" in again.stdout
+
     # a group killed after its last checkpoint: packed whole, in two parts, for a fresh machine
     # (the third call below) that restores it (PARTIAL_ARCHIVE) and resumes it
     family = [s for s in specs if s.arm.name == "frozen" and s.seed == 0]
