@@ -67,7 +67,8 @@ def _block_work(cfg) -> float | None:
     V and output projections and the MLP), from its config; None for a model without
     ``dim``, ``depth`` and ``mlp_dim``. A sweep not run yet is priced by its ratio to the
     measured sweeps' median (at least 1: a smaller model's round is not cheaper on a GPU that a
-    small model leaves idle), an upper bound for a model that a small one's latency hides."""
+    small model leaves idle); where the measured model's rounds are bound by latency rather
+    than arithmetic, this prices the larger one high, until its own runs are measured."""
     p = cfg.model.params
     dims = [getattr(p, k, None) for k in ("dim", "depth", "mlp_dim")]
     if not all(isinstance(x, int) and x > 0 for x in dims):
