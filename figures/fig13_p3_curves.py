@@ -6,11 +6,12 @@ Drawn from a study's export folder (``linattn study --plan p3 --aggregate-only -
 ``t0_choice.csv`` each (sweep, arm)'s setting and validation-chosen T0. Each curve is the mean
 over seeds of the test score at every T0 of the grid (T0 = T: never frozen, i.e. the base
 algorithm alone), the band one standard error, and the larger marker the T0 chosen on
-validation. Three panels:
+validation. The panels:
 
 - along the local steps K at the centre step size, and along the step size at the centre K
-  (figure 12's axes and centre; one attention, linear where it ran): FedFrozen (Q/K frozen
-  after T0, on FedAvg) per setting, Dirichlet solid and IID dashed;
+  (figure 12's axes and centre): FedFrozen (Q/K frozen after T0, on FedAvg) per setting,
+  Dirichlet solid and IID dashed; the first row for linear attention where it ran, a second
+  row with the same two panels for the other attention where its axes ran;
 - "is it the kernel?": at the centre (K, lr) under Dirichlet, every arm of the T0 grid, one
   colour per arm (FedFrozen, the equal-size control that freezes V and the attention output
   instead, FedFrozen on FedProx and on SCAFFOLD), linear attention solid and softmax dashed.
@@ -80,7 +81,7 @@ ARMS = {("qk", "fedavg"): ("FedFrozen (Q/K frozen)", "C0"),
 
 def panels(folder: Path) -> dict:
     """The curves of each panel: ``{"K": [...], "lr": [...], "kernel": [...], "centre",
-    "attention"}``; a curve is ``{"sweep", "arm", "label", "x" (T0 / T), "mean", "se", "t"
+    "attention", "more": {other attention: {"K": [...], "lr": [...]}}}``; a curve is ``{"sweep", "arm", "label", "x" (T0 / T), "mean", "se", "t"
     (chosen T0 / T), "iid", "colour", "dashed"}``."""
     rows = load(folder)
     runs = scores(folder)
@@ -106,17 +107,26 @@ def panels(folder: Path) -> dict:
                 "iid": row["partition"] == "iid", "colour": colour, "dashed": dashed,
                 "n": min(v.size for v in vals), "rounds": rounds}
 
-    out = {"K": [], "lr": [], "kernel": [], "centre": (k_c, lr_c), "attention": attention}
-    for axis in ("K", "lr"):
-        pts = [p for p in plan["points"] if p["axis"] == axis and p["kind"] == "main"
-               and p["row"]["attention"] == attention and not p["row"].get("momentum")]
-        xs = sorted({p["x"] for p in pts})
-        for p in sorted(pts, key=lambda p: (p["x"], p["iid"])):
-            what = f"K = {p['x']:g}" if axis == "K" else f"lr {p['x']:g}"
-            part = "IID" if p["iid"] else f"Dirichlet {p['row']['alpha']}"
-            c = curve(p["row"], f"{what}, {part}", f"C{xs.index(p['x'])}", p["iid"])
-            if c is not None:
-                out[axis].append(c)
+    def axes_of(kind: str) -> dict:
+        got: dict = {"K": [], "lr": []}
+        for axis in ("K", "lr"):
+            pts = [p for p in plan["points"] if p["axis"] == axis and p["kind"] == "main"
+                   and p["row"]["attention"] == kind and not p["row"].get("momentum")]
+            xs = sorted({p["x"] for p in pts})
+            for p in sorted(pts, key=lambda p: (p["x"], p["iid"])):
+                what = f"K = {p['x']:g}" if axis == "K" else f"lr {p['x']:g}"
+                part = "IID" if p["iid"] else f"Dirichlet {p['row']['alpha']}"
+                c = curve(p["row"], f"{what}, {part}", f"C{xs.index(p['x'])}", p["iid"])
+                if c is not None:
+                    got[axis].append(c)
+        return got
+
+    out = {**axes_of(attention), "kernel": [], "centre": (k_c, lr_c), "attention": attention,
+           "more": {}}
+    for kind in sorted(kinds - {attention}):  # the other attention's axes: a second row
+        got = axes_of(kind)
+        if got["K"] or got["lr"]:
+            out["more"][kind] = got
     for r in rows:
         arm = ARMS.get((r.get("freeze") or "qk", r.get("base") or "fedavg"))
         if (arm is None or r.get("partition") != "dirichlet" or r.get("momentum")
@@ -137,13 +147,21 @@ def make(folder: Path, out_dir=None) -> FigureOutput:
         raise FigureError(f"--real-data {folder}: no per-run score of a setting figure 12 "
                           "places")
     k_c, lr_c = data["centre"]
-    fig, axes = new_figure(ncols=3, width=3.6, height=3.3)
-    titles = {"K": f"along K ({data['attention']}, lr {lr_c:g})",
-              "lr": f"along the step size ({data['attention']}, K = {k_c})",
-              "kernel": f"is it the kernel? (K = {k_c}, lr {lr_c:g}, Dirichlet)"}
+    rows = [(data["attention"], data)] + list(data["more"].items())
+    fig, grid = new_figure(ncols=3, width=3.6, height=3.3, nrows=len(rows))
+    grid = [grid] if len(rows) == 1 else list(grid)
+    panels_ = []
+    for r, (kind, got) in enumerate(rows):
+        panels_ += [(grid[r][0], f"along K ({kind}, lr {lr_c:g})", got["K"]),
+                    (grid[r][1], f"along the step size ({kind}, K = {k_c})", got["lr"])]
+        if r == 0:
+            panels_.append((grid[r][2], f"is it the kernel? (K = {k_c}, lr {lr_c:g}, "
+                            "Dirichlet)", data["kernel"]))
+        else:
+            grid[r][2].axis("off")
     notes: dict = {}
-    for ax, key in zip(axes, ("K", "lr", "kernel"), strict=True):
-        for c in data[key]:
+    for ax, title, curves in panels_:
+        for c in curves:
             style = "--" if c["dashed"] else "-"
             mean, se = np.asarray(c["mean"]), np.asarray(c["se"])
             ax.plot(c["x"], mean, style, color=c["colour"], marker=".", lw=1.2,
@@ -158,9 +176,9 @@ def make(folder: Path, out_dir=None) -> FigureOutput:
                                            f"{mean[-1]:.3f} at T0 = T")
         ax.set_xlabel("T0 / T (1: never frozen)")
         ax.set_ylabel("test accuracy (mean over seeds)")
-        ax.set_title(titles[key], fontsize=8)
+        ax.set_title(title, fontsize=8)
         ax.set_xlim(-0.03, 1.03)
-        if data[key]:
+        if curves:
             ax.legend(fontsize=5.5, loc="best")
     paths = save(fig, NAME, out_dir, dpi=100)
     caption = ("P3 on real networks: test accuracy against T0 / T (mean over seeds, band one "

@@ -164,6 +164,9 @@ def test_figure_13_draws_each_settings_curve_and_the_kernel_panel(tmp_path, caps
     data = panels(folder)
     assert [c["sweep"] for c in data["K"]] == ["lin_K2", "lin_K10"]  # linear, at lr 0.2
     assert [c["sweep"] for c in data["lr"]] == ["lin_K10", "lin_lr05"]
+    # softmax's axes: a second row (its only point, K = 10 at lr 0.2, lies on both axes)
+    assert [c["sweep"] for c in data["more"]["softmax"]["K"]] == ["sm_K10"]
+    assert [c["sweep"] for c in data["more"]["softmax"]["lr"]] == ["sm_K10"]
     kernel = {(c["sweep"], c["arm"]) for c in data["kernel"]}
     assert kernel == {("lin_K10", "fedfrozen"), ("lin_K10", "control"),
                       ("lin_K10", "on_scaffold"), ("sm_K10", "fedfrozen")}

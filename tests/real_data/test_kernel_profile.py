@@ -308,6 +308,32 @@ def test_bias_drift_arithmetic_on_synthetic_records():
     assert rows[(0, "iid")]["bias"] == 1.0 and rows[(0, "iid")]["drift"] == 0.0
     # without Phi_best's kernel a cell has no rows
     assert study.bias_drift(records[:2] + records[4:]) == []
+    # no doubled budget recorded: the 2N columns are empty
+    assert rows[(10, "iid")]["bias_2n"] is None and rows[(10, "iid")]["drift_2n"] is None
+
+
+def test_bias_drift_at_the_doubled_budget(tmp_path):
+    def rec(kind, arm, t, phi, twice, seed):
+        return {"sweep": "s", "alpha": 0.1, "seed": seed, "kind": kind, "arm": arm, "round": t,
+                "phi": phi, "phi_doubled": twice, "relative_change": abs(twice - phi) / phi,
+                "converged": False, "best": ("pooled", 10)}
+
+    records = []
+    for seed, shift in ((0, 0.0), (1, 0.5)):
+        records += [rec("fed", "ff", 10, 2.0 + shift, 1.5 + shift, seed),
+                    rec("ref", "pooled", 10, 1.0 + shift, 0.75 + shift, seed)]
+    records[-1] = {**records[-1], "phi_doubled": float("nan")}  # seed 1: no finite 2N
+    rows = {r["seed"]: r for r in study.bias_drift(records)}
+    assert rows[0]["bias_2n"] == 0.0 and rows[0]["drift_2n"] == 0.75
+    assert rows[0]["phi_fed_2n"] == 1.5 and rows[1]["drift_2n"] is None
+    from real_data.study.profile_tables import summarize
+
+    (summary,) = summarize(list(rows.values()))
+    assert summary["drift_2n_n"] == 1 and summary["drift_2n_mean"] == 0.75
+    assert summary["drift_mean"] == 1.0  # at N over both seeds
+    paths = study.write_kernel_profile(list(rows.values()), tmp_path)
+    row = [ln for ln in paths[2].read_text().splitlines() if ln.startswith("| s |")][0]
+    assert "| 0.0000 +- 0.0000 | 0.7500 +- 0.0000 |" in row
 
 
 def _runs(values: dict[int, list[float]], test: float = 0.5) -> list[dict]:
