@@ -51,6 +51,10 @@ class SampledClients:
     table: np.ndarray
 
 
+# sample_clients draws a client's sequences in chunks of at most this many bytes of draws
+_SAMPLE_BYTES = 1 << 19
+
+
 def sample_clients(problem: Problem, samples_per_client: int, validation_fraction: float,
                    rng: np.random.Generator) -> SampledClients:
     """N sequences per client from its teacher (eq. 1); the last fraction is the validation
@@ -67,15 +71,21 @@ def sample_clients(problem: Problem, samples_per_client: int, validation_fractio
     query = table[..., d * d:d * d + d]
     target = table[..., d * d + d:d * d + d + dy]
     clean = np.empty(target.shape)
-    # one client at a time: the draws come in the order of one (C, N, n+1, d) draw, and every
-    # product is per sequence or per client
+    # one client at a time, its sequences in chunks of h: the draws come in the order of one
+    # (C, N, n+1, d) draw, every product is per sequence or per client, and a chunk's draws,
+    # tokens and Gram matrices stay in cache until Sigma_hat = Gram / n lands in the table
+    h = max(1, min(samples_per_client, _SAMPLE_BYTES // ((n + 1) * d * 8)))
+    draws, tokens, gram = np.empty((h, n + 1, d)), np.empty((h, n + 1, d)), np.empty((h, d, d))
     for m in range(c):
-        x = rng.standard_normal((samples_per_client, n + 1, d)) @ chol_t[m]   # rows x^T
-        context = x[:, 1:]
-        np.matmul(np.swapaxes(context, 1, 2), context, out=sigma_hat[m])
-        sigma_hat[m] /= n
-        query[m] = x[:, 0]
-        a_star = x[:, 0] @ problem.kernel_teachers[m]                    # (M*^T x_q)^T
+        for lo in range(0, samples_per_client, h):
+            k = min(h, samples_per_client - lo)
+            rng.standard_normal(out=draws[:k])
+            x = np.matmul(draws[:k], chol_t[m], out=tokens[:k])             # rows x^T
+            context = x[:, 1:]
+            np.matmul(np.swapaxes(context, 1, 2), context, out=gram[:k])
+            np.divide(gram[:k], n, out=sigma_hat[m, lo:lo + k])
+            query[m, lo:lo + k] = x[:, 0]
+        a_star = query[m] @ problem.kernel_teachers[m]                      # (M*^T x_q)^T
         clean[m] = (sigma_hat[m] @ a_star[..., None])[..., 0] @ problem.value_teachers[m]
     target[...] = clean + problem.noise * rng.standard_normal(clean.shape)
     return SampledClients(query[:, :cut], sigma_hat[:, :cut], target[:, :cut],
@@ -102,9 +112,10 @@ def _penalty(problem, kernel, value) -> float:
 
 
 # A warm-up step gathers the minibatch rows of a group of clients at a time, at most this many
-# bytes (about a core's L2 cache), so that the two per-sequence products after the gather
-# read the rows from cache; every client's arithmetic is the same in any grouping
-_GATHER_BYTES = 1 << 21
+# bytes (half a core's L2 cache: one client's 256 rows at d = 16), so that the two
+# per-sequence products after the gather read the rows from cache; every client's arithmetic
+# is the same in any grouping
+_GATHER_BYTES = 1 << 20
 
 
 def _run_setup(problem: Problem, lr: float, seed: int, batch_size: int,
@@ -155,33 +166,38 @@ class _Steps:
         v = np.broadcast_to(value, (c, *value.shape)).copy()
         shrink_m, shrink_v = 1 - lr * problem.kernel_ridge, 1 - lr * problem.ridge
         rows = [idx + self.record_offsets for idx in batches]          # (C, B) per local step
+        take, za_out, sw_out = self.records.take, self.za, self.sw
         for lo in range(0, c, self.group):
-            part = slice(lo, min(lo + self.group, c))
-            mg, vg = m[part], v[part]                                  # views, updated in place
-            g = mg.shape[0]
+            hi = min(lo + self.group, c)
+            mg, vg = m[lo:hi], v[lo:hi]                                # views, updated in place
+            g, vt = hi - lo, vg.mT
             # Sigma_hat is symmetric, so the prediction x_q^T M Sigma_hat V is z^T V with
             # z = Sigma_hat M^T x_q, and the kernel's gradient sum_b x_q (Sigma_hat V r_b)^T
-            # needs no (C, B, d, d_y) product: batched matrix products only
+            # needs no (C, B, d, d_y) product: batched matrix products only. The steps scale
+            # each gradient in place (scale * g and g *= scale are the same numbers)
             for step_rows in rows:
                 b = step_rows.shape[1]
-                rec = np.take(self.records, step_rows[part].ravel(), axis=0,
-                              out=self.batch[:g * b], mode="clip")
+                rec = take(step_rows[lo:hi].ravel(), axis=0, out=self.batch[:g * b],
+                           mode="clip")
                 s = rec[:, :d * d].reshape(g, b, d, d)
                 q = rec[:, d * d:d * d + d].reshape(g, b, d)
                 y = rec[:, d * d + d:d * d + d + dy].reshape(g, b, dy)
-                za = np.matmul(s, (q @ mg)[..., None], out=self.za[:g, :b])[..., 0]
-                res = za @ vg - y                                      # (G, B, d_y)
+                za = np.matmul(s, (q @ mg)[..., None], out=za_out[:g, :b])[..., 0]
+                res = za @ vg                                          # (G, B, d_y)
+                res -= y
                 scale = lr / b
                 grad_v = za.mT @ res                                   # (G, d, d_y)
                 # V r_b: for d_y = 1 the product of the two factors (a matrix product with
                 # one term per entry gives the same numbers)
-                w = res * vg.mT if dy == 1 else res @ vg.mT
-                sw = np.matmul(s, w[..., None], out=self.sw[:g, :b])[..., 0]
+                w = res * vt if dy == 1 else res @ vt
+                sw = np.matmul(s, w[..., None], out=sw_out[:g, :b])[..., 0]
                 grad_m = q.mT @ sw                                     # (G, d, d)
+                grad_m *= scale
                 mg *= shrink_m
-                mg -= scale * grad_m
+                mg -= grad_m
+                grad_v *= scale
                 vg *= shrink_v
-                vg -= scale * grad_v
+                vg -= grad_v
         p = problem.weights
         return np.tensordot(p, m, axes=1), np.tensordot(p, v, axes=1)
 
