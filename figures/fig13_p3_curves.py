@@ -81,8 +81,9 @@ ARMS = {("qk", "fedavg"): ("FedFrozen (Q/K frozen)", "C0"),
 
 def panels(folder: Path) -> dict:
     """The curves of each panel: ``{"K": [...], "lr": [...], "kernel": [...], "centre",
-    "attention", "more": {other attention: {"K": [...], "lr": [...]}}}``; a curve is ``{"sweep", "arm", "label", "x" (T0 / T), "mean", "se", "t"
-    (chosen T0 / T), "iid", "colour", "dashed"}``."""
+    "attention", "more": {other attention: {"K": [...], "lr": [...]}}}``; a curve is
+    ``{"sweep", "arm", "label", "x" (T0 / T), "mean", "se", "t" (chosen T0 / T), "iid",
+    "colour", "dashed"}``."""
     rows = load(folder)
     runs = scores(folder)
     plan = layout(rows)
