@@ -318,9 +318,15 @@ def _study(argv: list[str]) -> int:
                     "its last snapshot) and t0_choice.{csv,md}; each Phi is cached under "
                     "out_dir/profiles, so a killed call resumes; --slice keeps the (sweep, alpha, "
                     "seed) cells one of whose runs it matches, --shard k/n takes every n-th "
-                    "cell, --deadline starts no new cell after SECONDS, "
+                    "cell (every n-th kernel of each cell with --profile-split kernels), "
+                    "--deadline starts no new cell after SECONDS, "
                     "--aggregate-only only reads the cache")
     _budget_options(ap, "--profile-", "with --profile: ", "each run's")
+    ap.add_argument("--profile-split", default=None, metavar="WHAT",
+                    help="with --profile and --shard k/n: cells (default: each process takes "
+                    "whole cells, every n-th) or kernels (each process takes every n-th kernel "
+                    "of every cell: n processes share a cell, each with a smaller stack; for "
+                    "fewer cells than processes, or a budget too long for one process)")
     ap.add_argument("--device", default=None,
                     help="with --profile: where Phi trains (default: each run's train.device)")
     args = ap.parse_args(argv)
@@ -362,7 +368,7 @@ def _study(argv: list[str]) -> int:
     if args.pace_table is not None:  # read now, so a wrong file is named before any pricing
         study.exported_pace(study.load_plan(args.pace_from), args.pace_table)
     for flag in ("profile_steps", "profile_lr", "profile_batch_size", "profile_phi_rule",
-                 "profile_eval_every", "device"):
+                 "profile_eval_every", "profile_split", "device"):
         if getattr(args, flag) is not None:
             raise UserError(f"--{flag.replace('_', '-')}: only with --profile")
     if args.stage is not None and full.tune is None:
@@ -709,7 +715,7 @@ def _study_profile(args, full, shard) -> int:
                         "(warmup_rounds) and a reference arm (reference: true)")
     records = study.profile_plan(plan, budget, device=args.device, shard=shard,
                                  deadline_s=args.deadline, compute=not args.aggregate_only,
-                                 pattern=args.slice)
+                                 pattern=args.slice, split=args.profile_split or "cells")
     if args.no_tables:
         return 0
     rows = study.bias_drift(records)

@@ -31,6 +31,8 @@
 # SECONDS, the workers getting the rest; a process starts no new cell after half its time. The
 # cache of every Phi computed goes to OUTDIR/profiles.tar.gz: unpack it into the plan's out_dir
 # and run `linattn study --plan P --profile PROFILE_ARGS --aggregate-only` for the tables.
+# With "--profile-split kernels" in PROFILE_ARGS the GPUs share every cell instead (each the
+# k-th of every ngpu kernels): for fewer cells than GPUs, or a budget one GPU cannot end in time.
 # A cell is profiled from the snapshots on this machine, so its runs train here first.
 # Each worker (--shard k/n) takes the machine's cores divided by the n workers as its CPU
 # threads (`linattn study --threads`); OMP_NUM_THREADS, when set, decides instead. Each

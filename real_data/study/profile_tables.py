@@ -114,6 +114,9 @@ def profile_cells(plan: Plan) -> list[dict]:
     return cells
 
 
+SPLITS = ("cells", "kernels")  # how --shard k/n divides the profile (profile_plan)
+
+
 def _cache_file(cell: dict, kind: str, arm: str, t: int, budget) -> Path:
     return cell["cache"] / f"{kind}_{arm}_round{t}__{budget.tag()}.json"
 
@@ -121,13 +124,15 @@ def _cache_file(cell: dict, kind: str, arm: str, t: int, budget) -> Path:
 def profile_plan(plan: Plan, budget, log=print, device: str | None = None,
                  shard: tuple[int, int] | None = None, deadline_s: float | None = None,
                  compute: bool = True, stack: int = 32,
-                 pattern: list[str] | None = None) -> list[dict]:
-    """Phi at every kernel of every cell (``shard=(k, n)``: the k-th of every n cells), read
-    from the cache or computed and cached (``compute=False``: only read); a cell's missing
-    kernels train side by side, ``stack`` at a time. ``deadline_s``: start no new cell after
-    this many seconds. ``pattern``: globs over the run keys (``--slice``); a cell is kept when
-    one of its runs matches (UserError when none is). Returns one record per kernel found
-    (missing snapshots are logged and left out)."""
+                 pattern: list[str] | None = None, split: str = "cells") -> list[dict]:
+    """Phi at every kernel of every cell (``shard=(k, n)``: the k-th of every n cells, or with
+    ``split="kernels"`` the k-th of every n kernels of each cell, so that n processes share
+    each cell: fewer kernels a stack, for cells fewer than the processes or a budget too long
+    for one process), read from the cache or computed and cached (``compute=False``: only
+    read); a cell's missing kernels train side by side, ``stack`` at a time. ``deadline_s``:
+    start no new cell after this many seconds. ``pattern``: globs over the run keys
+    (``--slice``); a cell is kept when one of its runs matches (UserError when none is).
+    Returns one record per kernel found (missing snapshots are logged and left out)."""
     from real_data.profile import run_setup
 
     cells = profile_cells(plan)
@@ -140,14 +145,19 @@ def profile_plan(plan: Plan, budget, log=print, device: str | None = None,
                 f"--slice {' '.join(pattern)}: no profile cell of plan {plan.name} has a run "
                 "that matches; a cell's runs are its T0 arms' family heads (the largest T0, "
                 "e.g. <sweep>/fedfrozen-T0=200/alpha=0.1/seed=0) and its reference arms")
-    if shard is not None:
+    if split not in SPLITS:
+        raise UserError(f"--profile-split {split!r}: one of {', '.join(SPLITS)}")
+    if shard is not None and split == "cells":
         cells = cells[shard[0]::shard[1]]
+    mine = (lambda i: True) if shard is None or split == "cells" else \
+        (lambda i: i % shard[1] == shard[0])  # a share of every cell's kernels, by position
     start = time.perf_counter()
     records = []
     for cell in cells:
         late = deadline_s is not None and time.perf_counter() - start > deadline_s
-        todo = [(k, a, t, p) for k, a, t, p in cell["kernels"]
-                if not _cache_file(cell, k, a, t, budget).is_file() and p.is_file()]
+        todo = [(k, a, t, p) for i, (k, a, t, p) in enumerate(cell["kernels"])
+                if mine(i) and not _cache_file(cell, k, a, t, budget).is_file()
+                and p.is_file()]
         if compute and todo and not late and (cell["run_dir"] / "config.yaml").is_file():
             setup = run_setup(cell["run_dir"], device)
             results = setup.phi_many([(str(p), p) for *_, p in todo], budget, stack)
@@ -159,7 +169,7 @@ def profile_plan(plan: Plan, budget, log=print, device: str | None = None,
                     f"{cell['seed']} {kind} {arm} round {t}: Phi {res['phi']:.4f}"
                     + ("" if res["relative_change"] is None else
                        f" (2N change {100 * res['relative_change']:.2f}%)"))
-        for kind, arm, t, path in cell["kernels"]:
+        for i, (kind, arm, t, path) in enumerate(cell["kernels"]):
             cache = _cache_file(cell, kind, arm, t, budget)
             if cache.is_file():
                 res = json.loads(cache.read_text())
@@ -167,7 +177,7 @@ def profile_plan(plan: Plan, budget, log=print, device: str | None = None,
                 records.append({"sweep": cell["sweep"], "alpha": cell["alpha"],
                                 "seed": cell["seed"], "kind": kind, "arm": arm, "round": t,
                                 "best": cell["best"], **res})
-            elif compute and not late:
+            elif compute and not late and mine(i):
                 log(f"profile: {path} missing, left out")
     return records
 

@@ -281,6 +281,21 @@ def test_bias_and_drift_of_a_tiny_plan(tmp_path):
     assert [(r["kind"], r["arm"], r["round"]) for r in packed] == \
         [(r["kind"], r["arm"], r["round"]) for r in records]
     assert [r["phi"] for r in packed] == pytest.approx([r["phi"] for r in records], rel=1e-6)
+    # --profile-split kernels: two processes share the cell, each with every 2nd kernel
+    halves = study.load_plan(path, tmp_path / "halves")
+    with tarfile.open(archive) as tar:
+        tar.extractall(halves.out_dir, filter="data")
+    with pytest.raises(UserError, match="--profile-split 'rows'"):
+        study.profile_plan(halves, budget, shard=(0, 2), split="rows")
+    first = study.profile_plan(halves, budget, log=lambda *_: None, shard=(0, 2),
+                               split="kernels")
+    kernels = [(r["kind"], r["arm"], r["round"]) for r in records]
+    assert [(r["kind"], r["arm"], r["round"]) for r in first] == kernels[0::2]
+    both = study.profile_plan(halves, budget, log=lambda *_: None, shard=(1, 2),
+                              split="kernels")  # reads the first half's cache
+    assert [(r["kind"], r["arm"], r["round"]) for r in both] == kernels
+    assert [r["phi"] for r in both] == pytest.approx([r["phi"] for r in records], rel=1e-6)
+    assert all(r["stacked"] in (4, 5) for r in both)  # 9 kernels over 2 processes
     paths = study.write_kernel_profile(rows, tmp_path / "tables", budget,
                                        study.chosen_t0(study.run_rows(plan)))
     data = json.loads(paths[1].read_text())
@@ -682,9 +697,12 @@ def test_bad_rule_inputs_exit_2_and_write_nothing(run_dir, tmp_path, capsys):
     _study_refuses(tmp_path, capsys, [(["--profile-eval-every", "0"], "--profile-eval-every"),
                                       (["--profile-steps", "10", "--profile-eval-every", "11"],
                                        "--profile-eval-every"),
-                                      (["--profile-phi-rule", "best"], "--profile-phi-rule")])
+                                      (["--profile-phi-rule", "best"], "--profile-phi-rule"),
+                                      (["--profile-split", "rows", "--shard", "0/2"],
+                                       "--profile-split")])
     _study_refuses(tmp_path, capsys, [(["--profile-phi-rule", "min"], "--profile-phi-rule"),
-                                      (["--profile-eval-every", "5"], "--profile-eval-every")],
+                                      (["--profile-eval-every", "5"], "--profile-eval-every"),
+                                      (["--profile-split", "kernels"], "--profile-split")],
                    profile=False)  # only with --profile
 
 
