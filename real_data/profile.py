@@ -74,6 +74,7 @@ drift-free reference's) under this run's config.
 from __future__ import annotations
 
 import dataclasses
+import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -411,6 +412,9 @@ def _profile_many(setup: ProfileSetup, kernels: list[tuple[str, object]], budget
                                 for i in range(c)):
             doubled = train_and_read(2 * n, second)
     seconds = (time.perf_counter() - start) / c
+    # what ``seconds`` (wall time per kernel, the stack's share) was measured on
+    where = {"type": device.type, "name": torch.cuda.get_device_name(device)
+             if device.type == "cuda" else platform.machine()}
     out = []
     for i, ((label, src), (_, rnd)) in enumerate(zip(kernels, loaded, strict=True)):
         phi, acc, at, last, last_acc, curve = _read(reads, first, i, budget)
@@ -422,7 +426,7 @@ def _profile_many(setup: ProfileSetup, kernels: list[tuple[str, object]], budget
                "clip_grad_norm": t.clip_grad_norm, "seed": seed,
                "train_samples": int(len(setup.pooled)), "val_samples": int(len(fed.y_val)),
                "phi_doubled": None, "val_acc_doubled": None, "relative_change": None,
-               "converged": None, "stacked": c, "seconds": seconds,
+               "converged": None, "stacked": c, "seconds": seconds, "device": where,
                "phi_rule": budget.phi_rule, "eval_every": budget.eval_every,
                "phi_step": at, "val_loss_last": last, "val_acc_last": last_acc}
         if adam:
@@ -495,7 +499,9 @@ def kernel_profile(cfg, kernel_source, budget: Budget | None = None, *, dataset=
     ``phi_step_doubled``, ``val_loss_last_doubled``, ``val_acc_last_doubled`` (and
     ``val_curve_doubled``), ``relative_change`` and ``converged`` (relative change < 1%); the
     settings used (``steps``, ``lr``, ``batch_size``, ``optimizer``, ``momentum``,
-    ``weight_decay``, ``clip_grad_norm``, ``seed``), the sample counts and ``seconds``.
+    ``weight_decay``, ``clip_grad_norm``, ``seed``), the sample counts, ``seconds`` (wall
+    time per kernel: the stack's time over its ``stacked`` kernels) and ``device`` (its type
+    and name: where ``seconds`` was measured).
     """
     budget = Budget() if budget is None else budget
     setup = profile_setup(cfg, dataset, partition, device)

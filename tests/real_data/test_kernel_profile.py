@@ -296,6 +296,7 @@ def test_bias_and_drift_of_a_tiny_plan(tmp_path):
     assert [(r["kind"], r["arm"], r["round"]) for r in both] == kernels
     assert [r["phi"] for r in both] == pytest.approx([r["phi"] for r in records], rel=1e-6)
     assert all(r["stacked"] in (4, 5) for r in both)  # 9 kernels over 2 processes
+    assert all(r["device"]["type"] == "cpu" and r["seconds"] > 0 for r in first)
     paths = study.write_kernel_profile(rows, tmp_path / "tables", budget,
                                        study.chosen_t0(study.run_rows(plan)))
     data = json.loads(paths[1].read_text())
