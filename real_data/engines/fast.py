@@ -337,6 +337,19 @@ class _Runner:
         self.s.add_(1)
 
 
+def probe_step(job: LocalJob, setup: _Setup, k: int) -> None:
+    """One eager local step of a ``k``-client chunk (the memory probe of :func:`_max_chunk`).
+
+    ``k`` may exceed the job's clients: a stacked group pads its calls to its largest
+    membership, so a call of its last 2 runs can be the first of a new setup (their trainable
+    set without the others' masks) with a padded shape of 70 clients. The probe then repeats
+    the job's last client, as :func:`train_fast` pads its last chunk."""
+    rows = torch.arange(k, device=job.x.device).clamp(max=len(job.client_ids) - 1)
+    probe = _Runner(job, replace(setup, graphs=False, compile=False), k)
+    probe.run(job, rows, 1)
+    probe.release()
+
+
 def _max_chunk(job: LocalJob, setup: _Setup, clients: int) -> int:
     """Largest chunk that fits: memory per client from one eager step of a few clients."""
     cap = max(1, MAX_FOLDED_BATCH // setup.batch)
@@ -349,12 +362,9 @@ def _max_chunk(job: LocalJob, setup: _Setup, clients: int) -> int:
     torch.cuda.synchronize(dev)
     before = torch.cuda.memory_allocated(dev)
     torch.cuda.reset_peak_memory_stats(dev)
-    probe = _Runner(job, replace(setup, graphs=False, compile=False), k)
-    probe.run(job, torch.arange(k, device=dev), 1)
+    probe_step(job, setup, k)
     torch.cuda.synchronize(dev)
     per_client = (torch.cuda.max_memory_allocated(dev) - before) / k
-    probe.release()
-    del probe
     free, _ = torch.cuda.mem_get_info(dev)
     free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
     _CHUNK[setup] = max(1, min(cap, int(MEMORY_FRACTION * free / per_client)))

@@ -202,6 +202,49 @@ def test_stack_jobs_masks_and_rates():
     assert job.correction is None
 
 
+def test_memory_probe_of_a_padded_call_with_fewer_clients_than_it_probes():
+    """A stacked group pads its engine calls to its largest membership: when its last runs (2
+    clients here, padded to 12) make the first call of a new setup, the memory probe steps 8
+    clients. It repeats the job's last client instead of indexing past its minibatch plans (on
+    CUDA a device-side assert that poisons the process and fails every later run of it)."""
+    from real_data.engines import fast
+    from real_data.engines.fast_setup import make_setup
+    from real_data.federation import Federation
+    from real_data.runs import resolve
+
+    cfg = tiny_config(*BASE[:-1], "train.clients_per_round=2", *RUNS["fedavg"])
+    dataset = load_data(cfg)
+    fed = Federation(resolve(cfg, dataset), dataset, make_partition_for(cfg, dataset))
+    job = stack_jobs([fed.begin_round(fed.initial_state(), 1).job], pad_clients=12)
+    assert len(job.client_ids) == 2 < fast.PROBE_CLIENTS
+    fast.probe_step(job, make_setup(job, graphs=False, compile=False), fast.PROBE_CLIENTS)
+    # the padded call itself: its two clients' results, the padding dropped
+    res = fast.train_fast(job)
+    assert res.params[job.trainable[0]].shape[0] == 2
+    assert torch.isfinite(res.data_loss).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_padded_call_of_a_new_setup_on_the_gpu():
+    """On CUDA the probe runs (the CPU has none): a 2-client call padded to 12, of a setup no
+    earlier call had, trains and gives its two clients' results."""
+    from real_data.engines import fast
+    from real_data.federation import Federation
+    from real_data.runs import resolve
+
+    cfg = tiny_config(*BASE[:-1], "train.clients_per_round=2", "train.device=cuda",
+                      "train.precision=fp32", *RUNS["fedavg"])
+    dataset = load_data(cfg)
+    fed = Federation(resolve(cfg, dataset), dataset, make_partition_for(cfg, dataset))
+    job = stack_jobs([fed.begin_round(fed.initial_state(), 1).job], pad_clients=12)
+    fast.clear_cache()
+    res = fast.train_fast(job)
+    torch.cuda.synchronize()
+    assert res.params[job.trainable[0]].shape[0] == 2
+    assert torch.isfinite(res.data_loss).all()
+
+
 def test_stacking_takes_local_terms_of_their_own_class_only():
     """FedProx (also at mu = 0) and SCAFFOLD stack; a subclass that changes the regularizer
     does not inherit its parent's terms."""
