@@ -141,7 +141,8 @@ def group_cost(members: list[RunSpec], pace: dict | None = None,
             # ratio to its sweep's median in the other sweeps (FedSQ ~2.3x, SCAFFOLD ~1.6x);
             # a sweep not measured yet: the overall median scaled by its local work and by
             # its attention's measured ratio (linear attention ~1.4-1.9x softmax on the ViT)
-            base = pace[head.sweep.name] if head.sweep.name in pace else \
+            base = pace.get(("*sweep", head.sweep.name), pace[head.sweep.name]) \
+                if head.sweep.name in pace else \
                 pace["*"] * _local_work(cfg, WIDTH_FLOOR) \
                 * pace.get(("*attention", _attention(cfg)), 1.0) * _model_scale(cfg, pace)
             per_round = base * pace.get(("*", head.arm.name),
@@ -169,12 +170,14 @@ def measured_pace(specs: list[RunSpec], before: float | None = None,
                   device_share: int | None = None) -> dict:
     """Median GPU seconds per round of the completed runs, by (sweep, arm) and by sweep; overall
     (``"*"``), the median per unit of :func:`_local_work` (so a sweep not run yet, at another
-    K, is priced by its own local work); and each arm's median ratio to its sweep's median
-    (``("*", arm)``, for an arm not yet run in some sweep); the median pace per unit of local
-    work of the sweeps of each attention kind relative to the overall one (``("*attention",
-    kind)``, for a sweep not run yet) and the measured sweeps' median model work per token
-    (``"*model"``, :func:`_block_work`, for a sweep of a larger model not run yet); empty when
-    none ran on a GPU. CPU runs are left out.
+    K, is priced by its own local work); each arm's median ratio to its sweep's median
+    (``("*", arm)``, for an arm not yet run in some sweep; from the sweeps where several arms
+    ran) and each sweep's median as if all its arms had run (``("*sweep", sweep)``: its
+    measured arms' paces over their ratios, the base of its arms not yet run); the median
+    pace per unit of local work of the sweeps of each attention kind relative to the overall
+    one (``("*attention", kind)``, for a sweep not run yet) and the measured sweeps' median
+    model work per token (``"*model"``, :func:`_block_work`, for a sweep of a larger model
+    not run yet); empty when none ran on a GPU. CPU runs are left out.
 
     By default a pace is a run's wall seconds per round, what a worker sharing the GPU as the
     run did sees (``--deadline``). With ``device_share``, it is the GPU's seconds per round:
@@ -259,9 +262,19 @@ def _pace(measured: list[tuple[RunSpec, float]]) -> dict:
         pace[sweep] = float(np.median([x for k, v in by_arm.items() if k[0] == sweep
                                        for x in v]))
     pace["*"] = float(np.median([x / work[k[0]] for k, v in by_arm.items() for x in v]))
-    for arm in {k[1] for k in by_arm}:  # ("*", arm): the arm's pace relative to its sweeps'
-        pace[("*", arm)] = float(np.median([pace[k] / pace[k[0]] for k in by_arm
-                                            if k[1] == arm]))
+    # ("*", arm): the arm's pace relative to its sweeps' median, from the sweeps where more
+    # than one arm ran (in a sweep of one measured arm the ratio is 1 by construction)
+    arms_of = {sw: [k for k in by_arm if k[0] == sw] for sw in {k[0] for k in by_arm}}
+    mixed = {k for sw, ks in arms_of.items() if len(ks) > 1 for k in ks}
+    for arm in {k[1] for k in by_arm}:
+        keys = [k for k in by_arm if k[1] == arm and k in mixed] or \
+            [k for k in by_arm if k[1] == arm]
+        pace[("*", arm)] = float(np.median([pace[k] / pace[k[0]] for k in keys]))
+    # ("*sweep", sweep): the sweep's median as if every arm had run, from the arms that did
+    # (each measured arm's pace over its ratio): a sweep where only the pooled references
+    # (one client, ~0.2x a federated round) ran does not price its federated arms as theirs
+    for sw, ks in arms_of.items():
+        pace[("*sweep", sw)] = float(np.median([pace[k] / pace[("*", k[1])] for k in ks]))
     sizes = [m for m in model.values() if m is not None]
     if sizes:  # "*model": the measured sweeps' median model work per token
         pace["*model"] = float(np.median(sizes))

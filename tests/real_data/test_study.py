@@ -630,7 +630,19 @@ def test_measured_pace_weighs_the_pending_split(tmp_path):
     other = dict(pace, **{"other": 0.1})
     del other[("digits", "slow")]
     group = [by_key["digits/slow/alpha=0.5/seed=0"]]
-    assert study._group_cost(group, {**other, "digits": 0.1}) == pytest.approx(3 * 0.1 * 1.5)
+    # the sweep's median as if both arms ran, from the arm that did: 0.2 / 0.5
+    assert other[("*sweep", "digits")] == pytest.approx(0.4)
+    assert study._group_cost(group, other) == pytest.approx(3 * 0.4 * 1.5)
+    # only the cheap arm ran in a sweep (a pooled reference): the slow arm is priced at its
+    # own level (0.6 s), not at the cheap arm's median times its ratio (0.2 x 1.5)
+    alone = study.measured_pace([by_key["digits/fast/alpha=0.5/seed=2"]])
+    ratios = {k: v for k, v in pace.items() if isinstance(k, tuple) and k[0] == "*"}
+    alone = {**alone, **ratios}
+    alone[("*sweep", "digits")] = alone[("digits", "fast")] / ratios[("*", "fast")]
+    assert study._group_cost(group, alone) == pytest.approx(3 * 0.6)
+    assert pace[("*sweep", "digits")] == pytest.approx(0.4)  # both arms: 0.6 / 1.5, 0.2 / 0.5
+    no_base = {k: v for k, v in other.items() if k != ("*sweep", "digits")}
+    assert study._group_cost(group, {**no_base, "digits": 0.1}) == pytest.approx(3 * 0.1 * 1.5)
     order = ["digits/slow/alpha=0.5/seed=0", "digits/fast/alpha=0.5/seed=0",
              "digits/slow/alpha=0.5/seed=1"]
     groups = [[by_key[k]] for k in order]
