@@ -10,6 +10,7 @@ import csv
 import io
 import json
 import tarfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -650,10 +651,12 @@ def chosen_t0(runs: list[dict], metric: str = "val_score", n_boot: int = 2000,
     validation accuracy of the last 5 evaluations) over those seeds; a diverged run (NaN)
     counts as -inf, so a T0 that diverged on some seed is picked only if every T0 did; ties go
     to the smaller T0. The interval: ``n_boot`` resamples of the seeds with replacement, each
-    re-picking the argmax of the resampled mean; ``t0_low``/``t0_high`` are the
-    (1 - level)/2 and (1 + level)/2 percentiles of the picked T0 (inverted CDF, so grid
-    values), ``share_chosen`` the share of resamples that pick the chosen T0. ``test_score``:
-    the mean test score over the same seeds at the chosen T0 (the test set only scores).
+    re-picking the argmax of the resampled mean (a random stream per row, seeded by ``seed``
+    and the row's key, so a row's interval is the same in any table that holds it);
+    ``t0_low``/``t0_high`` are the (1 - level)/2 and (1 + level)/2 percentiles of the picked
+    T0 (inverted CDF, so grid values), ``share_chosen`` the share of resamples that pick the
+    chosen T0. ``test_score``: the mean test score over the same seeds at the chosen T0 (the
+    test set only scores).
     """
     groups: dict[tuple, dict[int, dict[int, dict]]] = {}
     for r in runs:
@@ -661,9 +664,10 @@ def chosen_t0(runs: list[dict], metric: str = "val_score", n_boot: int = 2000,
             continue
         groups.setdefault((r["sweep"], r["alpha"], r["arm"]), {}).setdefault(
             r["warmup_rounds"], {})[r["seed"]] = r
-    rng = np.random.default_rng(seed)
     out = []
     for (sweep, alpha, arm), by_t0 in groups.items():
+        # each row its own stream: a row's interval does not move when other rows join
+        rng = np.random.default_rng([seed, zlib.crc32(f"{sweep}|{alpha}|{arm}".encode())])
         t0s = sorted(by_t0)
         seeds = sorted(set.intersection(*(set(v) for v in by_t0.values())))
         if not seeds or len(t0s) < 2:  # one T0 (a tuned final stage): nothing to choose

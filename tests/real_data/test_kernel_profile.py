@@ -377,6 +377,11 @@ def test_chosen_t0_and_its_bootstrap_interval():
     # the same seed, the same interval; a diverged run (NaN) is never picked
     assert study.chosen_t0(_runs({0: [0.9, 0.5, 0.5], 200: [0.1, 0.6, 0.6]}),
                            n_boot=4000)[0] == mixed
+    # a row's interval does not move when another row joins the table (its own stream)
+    other = [dict(r, sweep="a") for r in _runs({0: [0.4, 0.6, 0.5], 200: [0.5, 0.5, 0.55]})]
+    both = study.chosen_t0(other + _runs({0: [0.9, 0.5, 0.5], 200: [0.1, 0.6, 0.6]}),
+                           n_boot=4000)
+    assert [r["sweep"] for r in both] == ["a", "s"] and both[1] == mixed
     nan = study.chosen_t0(_runs({0: [np.nan, 0.5, 0.5], 200: [0.1, 0.2, 0.2]}))[0]
     assert nan["chosen_t0"] == 200
     # a seed missing at some T0 leaves the comparison
