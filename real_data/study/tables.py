@@ -568,7 +568,8 @@ def pack_results(plans: Plan | list[Plan], dest: Path,
     client states and per-client rows stay behind (large; re-running a run rebuilds them).
     ``except_runs`` (:func:`packed_before`): a run whose summary.json is the one recorded there
     came back before and is left out (counted as ``skipped``); a run trained again since (its
-    configuration changed) differs and is packed.
+    configuration changed) differs and is packed. Every run's results come first in the
+    archive, the snapshots after them, so an archive cut short keeps every run's results.
     """
     import torch  # as in kernel_deviation
 
@@ -583,6 +584,7 @@ def pack_results(plans: Plan | list[Plan], dest: Path,
 
     _, specs = stage_runs(plans)
     with atomic_path(dest) as tmp, tarfile.open(tmp, "w:gz", compresslevel=6) as tar:
+        packed = []
         for spec in specs:
             finished = run_status(spec.run_dir) in FINAL
             if not finished or not (spec.run_dir / "metrics.csv").is_file():
@@ -592,6 +594,7 @@ def pack_results(plans: Plan | list[Plan], dest: Path,
                 counts["skipped"] += 1
                 continue
             counts["runs"] += 1
+            packed.append(spec)
             for name in ("summary.json", "config.yaml"):
                 if (spec.run_dir / name).is_file():
                     tar.add(spec.run_dir / name, arcname=f"{spec.key}/{name}")
@@ -599,6 +602,10 @@ def pack_results(plans: Plan | list[Plan], dest: Path,
             col = lines[0].split(",").index("client")
             kept = [lines[0]] + [ln for ln in lines[1:] if ln.split(",")[col] == "global"]
             add_bytes(tar, f"{spec.key}/metrics.csv", ("\n".join(kept) + "\n").encode())
+        # the snapshots after every run's results: an archive cut short (a device that returns
+        # a bounded number of bytes drops its last parts) still holds every run's results, and
+        # unpacks them before the cut
+        for spec in packed:
             for snap in sorted((spec.run_dir / "checkpoints").glob("round_*.pt")):
                 state = torch.load(snap, map_location="cpu", weights_only=False)
                 qk = {n: t.clone() for n, t in state["global_params"].items()

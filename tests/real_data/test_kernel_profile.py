@@ -274,6 +274,11 @@ def test_bias_and_drift_of_a_tiny_plan(tmp_path):
     # profiled from an unpacked copy of it, every kernel has the same Phi
     archive = tmp_path / "runs.tar.gz"
     assert study.pack_results(plan, archive)["snapshots"] > 0
+    with tarfile.open(archive) as tar:  # every run's results before any snapshot
+        names = tar.getnames()
+    snap_at = [i for i, n in enumerate(names) if "/checkpoints/" in n]
+    assert snap_at and min(snap_at) > max(i for i, n in enumerate(names)
+                                          if n.endswith("summary.json"))
     copy = study.load_plan(path, tmp_path / "unpacked")
     with tarfile.open(archive) as tar:
         tar.extractall(copy.out_dir, filter="data")
