@@ -218,7 +218,10 @@ def _study(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(
         prog="linattn study",
         description="The real-data validation study: a plan of sweeps, run resumably in "
-        "slices, then aggregated into tables.")
+        "slices, then aggregated into tables.",
+        epilog="Exit status: 0 done; 1 some run failed (FAILED lines); 2 a bad plan, option or "
+        "file; 3 the GPU's context became unusable (a device-side assert: every later run of "
+        "the process would fail), so the process stopped and a new one resumes its runs.")
     ap.add_argument("--plan", required=True, help="plan YAML, or the name of a shipped plan")
     ap.add_argument("--out", type=Path,
                     help="folder of the study's runs (default: the plan's out_dir, relative "
@@ -506,17 +509,20 @@ def _study(argv: list[str]) -> int:
                 and _left(args.deadline, t_call) <= 0):
             print(f"study ({stage}): no time left before --deadline {args.deadline:g}")
         elif not args.aggregate_only:
-            counts = study.run_study(plan, slices, args.max_runs, args.budget, shard=shard,
-                                     pretrain_only=args.pretrain_only,
-                                     deadline_s=(None if args.deadline is None else
-                                                 _left(args.deadline, t_call)),
-                                     pending=(args.pending_before
-                                              if args.pending_before is not None
-                                              else args.pending),
-                                     stack=not args.no_stack,
-                                     # the tuning runs' pace prices the final stage's deadline
-                                     price_runs=(study.tuning_runs(full)
-                                                 if stage == "final" else None))
+            try:
+                counts = study.run_study(
+                    plan, slices, args.max_runs, args.budget, shard=shard,
+                    pretrain_only=args.pretrain_only,
+                    deadline_s=(None if args.deadline is None else
+                                _left(args.deadline, t_call)),
+                    pending=(args.pending_before if args.pending_before is not None
+                             else args.pending),
+                    stack=not args.no_stack,
+                    # the tuning runs' pace prices the final stage's deadline
+                    price_runs=study.tuning_runs(full) if stage == "final" else None)
+            except study.DeviceLost as exc:  # its runs resume in a new process
+                print(f"study: {exc}", file=sys.stderr)
+                return study.EXIT_DEVICE_LOST
             print(f"study{'' if stage == 'plain' else ' (' + stage + ')'}:",
                   ", ".join(f"{k} {v}" for k, v in counts.items()))
             if args.pretrain_only:

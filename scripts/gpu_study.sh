@@ -34,6 +34,8 @@
 # With "--profile-split kernels" in PROFILE_ARGS the GPUs share every cell instead (each the
 # k-th of every ngpu kernels): for fewer cells than GPUs, or a budget one GPU cannot end in time.
 # A cell is profiled from the snapshots on this machine, so its runs train here first.
+# A worker whose CUDA context is lost (exit 3, `linattn study` after a device-side assert)
+# starts again while more than a minute is left; its runs resume from their checkpoints.
 # Each worker (--shard k/n) takes the machine's cores divided by the n workers as its CPU
 # threads (`linattn study --threads`); OMP_NUM_THREADS, when set, decides instead. Each
 # worker's runs record WORKERS_PER_GPU as the processes that shared their GPU
@@ -89,12 +91,26 @@ if [ -n "${PROFILE_ARGS:-}" ]; then profile_s=${PROFILE_SECONDS:-0}; fi
 left=$((seconds - profile_s - ($(date +%s) - start)))
 if [ "$left" -le 30 ]; then echo "no time left for workers after pretraining"; workers=0; fi
 launch=$(date +%s)  # what finished before this is what every worker counts as finished
+# a worker whose GPU context became unusable (exit 3: a device-side assert, after which every
+# CUDA call of the process fails) is started again while more than a minute is left; its runs
+# resume from their last checkpoints
+worker() {
+  local k=$1 rest rc
+  shift
+  while :; do
+    rest=$((left - ($(date +%s) - launch)))
+    CUDA_VISIBLE_DEVICES=$((k % ngpu)) LINATTN_DEVICE_WORKERS=$per_gpu timeout -s KILL "$rest" \
+      python -m linattn study --plan "$plan" --shard "$k/$workers" --pending-before "$launch" \
+      --deadline "$((rest - 20))" --no-tables "$@" >> "$out/logs/worker_$k.log" 2>&1
+    rc=$?
+    if [ "$rc" -ne 3 ] || [ $((left - ($(date +%s) - launch))) -le 60 ]; then return "$rc"; fi
+    echo "worker $k: the GPU context was lost (exit 3); a new process resumes its runs" \
+      | tee -a "$out/logs/worker_$k.log"
+  done
+}
 wpids=()
 for ((k = 0; k < workers; k++)); do
-  CUDA_VISIBLE_DEVICES=$((k % ngpu)) LINATTN_DEVICE_WORKERS=$per_gpu timeout -s KILL "$left" \
-    python -m linattn study --plan "$plan" --shard "$k/$workers" --pending-before "$launch" \
-    --deadline "$((left - 20))" \
-    --no-tables "$@" > "$out/logs/worker_$k.log" 2>&1 &
+  worker "$k" "$@" &
   wpids+=($!)
 done
 ( while sleep 60; do nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader; done ) \

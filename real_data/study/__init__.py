@@ -109,8 +109,11 @@ from real_data.study.profile_tables import (
 )
 from real_data.study.rule_report import rule_regret, write_rule_regret
 from real_data.study.runner import (
+    EXIT_DEVICE_LOST,
     FINAL,
+    DeviceLost,
     batch_cost,
+    device_unusable,
     ensure_pretrained,
     estimate,
     exported_pace,
@@ -170,6 +173,9 @@ __all__ = [
     "write_kernel_profile",
     "write_t0_choice",
     "FINAL",
+    "EXIT_DEVICE_LOST",
+    "DeviceLost",
+    "device_unusable",
     "LAST_ROUNDS",
     "SCORE_LAST",
     "Tune",

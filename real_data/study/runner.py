@@ -354,6 +354,26 @@ def run_status(run_dir: Path) -> str:
     return "partial" if run_dir.exists() else "missing"
 
 
+EXIT_DEVICE_LOST = 3
+"""The exit status of a ``linattn study`` worker stopped by :class:`DeviceLost` (a fresh process
+resumes its runs; ``scripts/gpu_study.sh`` starts one while time is left)."""
+
+
+class DeviceLost(RuntimeError):
+    """This process's CUDA context is unusable: every later run of it would fail the same way."""
+
+
+def device_unusable(exc: BaseException) -> bool:
+    """True for an error that leaves the process's CUDA context unusable: a device-side assert,
+    an illegal address or a launch failure (torch's ``AcceleratorError``, or a ``RuntimeError``
+    reading "CUDA error: ..."). Every later CUDA call of the process raises it again, so the
+    worker's remaining runs would all fail at once. Out of memory is not one of them."""
+    if type(exc).__name__ in ("OutOfMemoryError",):
+        return False
+    return type(exc).__name__ == "AcceleratorError" or (
+        isinstance(exc, RuntimeError) and "CUDA error:" in str(exc))
+
+
 def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int | None = None,
               budget_s: float | None = None, log=print,
               shard: tuple[int, int] | None = None, pretrain_only: bool = False,
@@ -463,6 +483,10 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
         except Exception as exc:  # one broken run must not stop a worker's whole shard
             counts["failed"] += 1
             log(f"FAILED {members[0].key}: {type(exc).__name__}: {exc}")
+            if device_unusable(exc):  # unless the device is gone for this whole process
+                raise DeviceLost(f"the CUDA context is unusable after {type(exc).__name__} in "
+                                 f"{members[0].key}; a new process resumes its runs "
+                                 f"(counts so far: {counts})") from exc
         if todo_here:
             spent += time.perf_counter() - t_group
             cost_done += cost
@@ -659,6 +683,8 @@ def _run_stacked(batch: list[list[RunSpec]], counts: dict, log) -> None:
                                    tuple(t for t in t0s if t is not None), tuple(branches),
                                    label=head.key))
     def failed(label, exc: Exception) -> None:  # that run leaves the group, the others go on
+        if device_unusable(exc):  # ... unless the device is gone: the whole group stops
+            raise exc
         counts["failed"] += 1
         log(f"FAILED {label}: {type(exc).__name__}: {exc}")
 

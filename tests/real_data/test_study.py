@@ -690,6 +690,56 @@ def test_a_failing_run_leaves_its_stacked_group_and_the_others_go_on(tmp_path, m
     assert [study._status(s.run_dir) for s in study.plan_runs(plan)].count("completed") == 3
 
 
+class AcceleratorError(RuntimeError):
+    """Named as torch's error after a device-side assert (torch.AcceleratorError)."""
+
+
+def test_device_unusable_tells_a_lost_cuda_context_from_a_broken_run():
+    assert study.device_unusable(AcceleratorError("CUDA error: device-side assert triggered"))
+    assert study.device_unusable(RuntimeError("CUDA error: an illegal memory access was "
+                                              "encountered"))
+    assert not study.device_unusable(torch.OutOfMemoryError("CUDA out of memory"))
+    assert not study.device_unusable(RuntimeError("simulated crash"))
+    assert not study.device_unusable(ValueError("CUDA error: in a value error"))
+
+
+@pytest.mark.parametrize("stack", [True, False])
+def test_a_lost_device_stops_the_worker_instead_of_failing_every_run(tmp_path, monkeypatch,
+                                                                     capsys, stack):
+    """After a device-side assert every CUDA call of the process fails: the worker stops at
+    the first such error (exit 3 from the command line, nothing else started), and a new
+    process trains every run."""
+    import real_data.runs
+    import real_data.stacked_runs
+
+    plan = _plan(tmp_path)
+    tried = []
+    module, name = ((real_data.stacked_runs, "prepare_start") if stack
+                    else (real_data.runs, "start_run"))
+    real = getattr(module, name)
+
+    def lost(cfg, out=None, **kw):
+        tried.append(out)
+        raise AcceleratorError("CUDA error: device-side assert triggered")
+
+    monkeypatch.setattr(module, name, lost)
+    lines = []
+    with pytest.raises(study.DeviceLost, match="CUDA context is unusable"):
+        study.run_study(plan, log=lines.append, stack=stack)
+    assert len(tried) == 1 and sum("FAILED" in ln for ln in lines) == 1
+    argv = ["study", "--plan", str(tmp_path / "plan.yaml"), "--out", str(tmp_path / "out"),
+            "--no-tables"] + ([] if stack else ["--no-stack"])
+    from linattn.cli import main
+
+    capsys.readouterr()
+    code = main(argv)  # in this process, where the patched start fails
+    assert code == study.EXIT_DEVICE_LOST == 3
+    assert "a new process resumes" in capsys.readouterr().err and len(tried) == 2
+    monkeypatch.setattr(module, name, real)  # the next process: every run trains
+    study.run_study(plan, log=lambda *_: None, stack=stack)
+    assert all(study._status(s.run_dir) == "completed" for s in study.plan_runs(plan))
+
+
 def test_a_run_directory_of_another_configuration_is_refused(tmp_path):
     """Editing a plan after its runs exist (another lr for an arm) must not reuse them."""
     plan = _plan(tmp_path)

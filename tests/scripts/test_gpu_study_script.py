@@ -166,6 +166,36 @@ def test_gpu_study_script_stops_when_pretraining_fails(tmp_path):
     assert not list((tmp_path / "o").glob("study_runs*"))  # no worker ran
 
 
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None
+                    or shutil.which("split") is None, reason="needs bash, timeout and split")
+def test_a_worker_whose_gpu_context_is_lost_starts_again(tmp_path):
+    """A worker process that exits with status 3 (its CUDA context unusable, linattn study's
+    DeviceLost) is started again while time is left, and its runs all finish: here a stand-in
+    ``python`` makes worker 0's first process exit with 3 before it trains anything."""
+    env = _stand_in_env(tmp_path)
+    flag = tmp_path / "lost_once"
+    shim = tmp_path / "bin" / "python"
+    shim.write_text(f"""#!/usr/bin/env bash
+case "$*" in
+  *"--shard 0/2 --pending-before"*) if [ ! -e {flag} ]; then touch {flag}; exit 3; fi ;;
+esac
+exec {sys.executable} "$@"
+""")
+    shim.chmod(0o755)
+    plan_path = tmp_path / "plan.yaml"
+    plan_path.write_text(yaml.safe_dump({
+        "name": "lost", "out_dir": str(tmp_path / "runs"), "seeds": [0, 1],
+        "sweeps": [{"name": "digits", "config": "digits_vit", "overrides": TINY,
+                    "alphas": [0.5], "arms": [
+                        {"name": "fedavg", "overrides": ["algorithm.name=fedavg"]}]}]}))
+    res = subprocess.run(["bash", str(SCRIPT), str(plan_path), "150", "1", str(tmp_path / "o")],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert flag.is_file() and "worker 0: the GPU context was lost" in res.stdout
+    specs = study.plan_runs(study.load_plan(plan_path))
+    assert len(specs) == 2 and all(study._status(s.run_dir) == "completed" for s in specs)
+
+
 def _tuned_plan(tmp_path: Path) -> Path:
     """A tuned plan (lr grid, FedAvg and a FedFrozen T0 family) written to tmp_path."""
     plan_path = tmp_path / "plan.yaml"
