@@ -12,6 +12,7 @@ import csv
 import fnmatch
 import json
 import math
+import os
 import shutil
 import time
 from pathlib import Path
@@ -195,6 +196,17 @@ def measured_pace(specs: list[RunSpec], before: float | None = None,
         share = 1 if device_share is None else info["device"].get("workers", device_share)
         measured.append((s, float(sec) / share))
     return _pace(measured)
+
+
+def wall_pace(specs: list[RunSpec], before: float | None, workers: int) -> dict:
+    """:func:`measured_pace` as the wall pace of a worker that shares its GPU with
+    ``workers`` processes in all: each run's GPU seconds per round (its wall pace over the
+    processes it recorded sharing its GPU; a run that recorded none is taken to have shared it
+    as ``workers`` do) times ``workers``. The ratios and the model work stay as they are."""
+    pace = measured_pace(specs, before, device_share=workers)
+    unitless = {"*model"}
+    return {k: v if k in unitless or (isinstance(k, tuple) and k[0] in ("*", "*attention"))
+            else v * workers for k, v in pace.items()}
 
 
 def exported_pace(plan: Plan, table: Path, device_share: int | None = None) -> dict:
@@ -395,7 +407,10 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
     ``deadline_s``: start a group only if it is expected to end within this many seconds of
     the start, at the pace of the groups run so far (before any: the pace measured in the
     plan's finished GPU runs when ``pending``, a sweep not run yet priced by its local work;
-    without one the first group always starts); a stacked batch that would not fit is split
+    without one the first group always starts; with ``LINATTN_DEVICE_WORKERS`` set, each
+    run's GPU pace times the processes that share this call's GPU, :func:`wall_pace`, so runs
+    measured with fewer workers a GPU do not price it low); a stacked batch that would not fit
+    is split
     into halves, a single group that would not fit is left for later and a shorter one tried.
     With ``pretrain_only`` and ``shard=(k, n)``, the k-th of every n pretraining jobs the
     whole selection needs is run (one process per GPU pretrains side by side).
@@ -437,6 +452,14 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
     # must agree on it whatever finished since they started)
     dpace = (measured_pace([*plan_runs(plan), *price_runs]) or pace
              if deadline_s is not None and price_runs else pace)
+    if deadline_s is not None and dpace is not None and "LINATTN_DEVICE_WORKERS" in os.environ:
+        # a run's wall pace grows with the processes that share its GPU: the deadline prices
+        # at this call's sharing, not at the one each run recorded
+        from real_data.rundir import device_workers  # it imports torch; --list does not
+
+        dpace = wall_pace([*plan_runs(plan), *(price_runs or [])],
+                          None if isinstance(pending, bool) else float(pending),
+                          device_workers()) or dpace
     if shard is not None:
         # without pending, over the whole selection: workers started at any time agree on
         # the split, whatever the others have finished meanwhile

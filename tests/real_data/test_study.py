@@ -453,6 +453,21 @@ def test_a_slice_not_run_yet_is_priced_by_the_plan_and_a_late_batch_splits(tmp_p
     # once a part has run the pace here is known (near 0 s: nothing trains) and the rest fit
     study.run_study(plan, pattern="new/*", deadline_s=7.0, pending=True, log=lambda *_: None)
     assert ran == [[0], [1], [2, 3]]
+    # runs that recorded their GPU to themselves, priced for a worker that shares its GPU with
+    # another (LINATTN_DEVICE_WORKERS=2, as gpu_study.sh sets it): 48 s, so against 13 s the
+    # halves (24 s) are late and the quarters (12 s) fit; unshared, the halves fit
+    for spec in study.plan_runs(plan):
+        if spec.sweep.name == "digits":
+            (spec.run_dir / "summary.json").write_text(json.dumps(
+                {"status": "completed", "seconds_per_round": 1.0,
+                 "device": {"type": "cuda", "workers": 1}}))
+    for workers, parts in (("1", [[0, 1], [2, 3]]), ("2", [[0], [1], [2, 3]])):
+        ran.clear()
+        monkeypatch.setenv("LINATTN_DEVICE_WORKERS", workers)
+        study.run_study(plan, pattern="new/*", deadline_s=13.0, pending=True,
+                        log=lambda *_: None)
+        assert ran == parts, workers
+    monkeypatch.delenv("LINATTN_DEVICE_WORKERS")
     # without a measured pace the first batch always starts, whole
     ran.clear()
     for spec in study.plan_runs(plan):
@@ -839,6 +854,13 @@ def test_gpu_seconds_count_a_shared_gpu_once(tmp_path, monkeypatch):
     assert shared[(specs[0].sweep.name, specs[0].arm.name)] == pytest.approx(3.0)  # (2 + 4) / 2
     assert runner.measured_pace(specs, device_share=2)[
         (specs[0].sweep.name, specs[0].arm.name)] == pytest.approx(2.0)
+    # a worker sharing its GPU with 3 processes in all (the deadline's wall pace): 2 GPU-s
+    # (recorded 2 workers) and 4 / 3 (recorded none: shared as now) per round, times 3
+    key0 = (specs[0].sweep.name, specs[0].arm.name)
+    three = runner.wall_pace(specs, None, 3)
+    assert three[key0] == pytest.approx(3 * (2.0 + 4.0 / 3) / 2)
+    assert three[("*", specs[0].arm.name)] == pytest.approx(1.0)  # ratios unscaled
+    assert runner.wall_pace(specs, None, 1)[key0] == pytest.approx((2.0 + 4.0) / 2)
     (row,) = study.estimate(plan, device_share=2)
     assert row["runs"] == 1 and row["gpu_seconds"] == pytest.approx(2.0 * row["run_rounds"])
     # the exported table: its device_workers column, else the default share
