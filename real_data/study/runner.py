@@ -410,7 +410,8 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
     without one the first group always starts; with ``LINATTN_DEVICE_WORKERS`` set, each
     run's GPU pace times the processes that share this call's GPU, :func:`wall_pace`, so runs
     measured with fewer workers a GPU do not price it low); a stacked batch that would not fit
-    is split into halves, a single group that would not fit is left for later and a shorter one tried.
+    is split into halves, a single group that would not fit is left for later and a shorter
+    one tried.
     With ``pretrain_only`` and ``shard=(k, n)``, the k-th of every n pretraining jobs the
     whole selection needs is run (one process per GPU pretrains side by side).
     ``stack``: T0 families that share a model architecture and optimizer train together in
