@@ -94,16 +94,29 @@ launch=$(date +%s)  # what finished before this is what every worker counts as f
 # a worker whose GPU context became unusable (exit 3: a device-side assert, after which every
 # CUDA call of the process fails) is started again while more than a minute is left; its runs
 # resume from their last checkpoints
+# A worker whose GPU context is lost (exit 3) restarts in a new process, at most
+# MAX_RESTARTS times, and not when the process lost it within FAST_LOSS_S of starting: a
+# context lost at once is lost again on every restart (a broken device, not a broken run).
+max_restarts=${MAX_RESTARTS:-3}
+fast_loss_s=${FAST_LOSS_S:-30}
 worker() {
-  local k=$1 rest rc
+  local k=$1 rest rc began restarts=0
   shift
+  : > "$out/logs/worker_$k.log"
   while :; do
-    rest=$((left - ($(date +%s) - launch)))
+    began=$(date +%s)
+    rest=$((left - (began - launch)))
     CUDA_VISIBLE_DEVICES=$((k % ngpu)) LINATTN_DEVICE_WORKERS=$per_gpu timeout -s KILL "$rest" \
       python -m linattn study --plan "$plan" --shard "$k/$workers" --pending-before "$launch" \
       --deadline "$((rest - 20))" --no-tables "$@" >> "$out/logs/worker_$k.log" 2>&1
     rc=$?
     if [ "$rc" -ne 3 ] || [ $((left - ($(date +%s) - launch))) -le 60 ]; then return "$rc"; fi
+    if [ "$restarts" -ge "$max_restarts" ] || [ $(($(date +%s) - began)) -lt "$fast_loss_s" ]; then
+      echo "worker $k: the GPU context was lost again (exit 3, $restarts restarts); it stops" \
+        | tee -a "$out/logs/worker_$k.log"
+      return "$rc"
+    fi
+    restarts=$((restarts + 1))
     echo "worker $k: the GPU context was lost (exit 3); a new process resumes its runs" \
       | tee -a "$out/logs/worker_$k.log"
   done

@@ -126,8 +126,9 @@ def group_cost(members: list[RunSpec], pace: dict | None = None,
                 skip: frozenset = frozenset(), resumed: bool = False) -> float:
     """Rounds the group trains, times the seconds per round measured for its (sweep, arm)
     where ``pace`` has them (:func:`measured_pace`; an arm not yet run in this sweep takes the
-    sweep's median times the arm's ratio measured elsewhere, a sweep not yet run the overall
-    median times :func:`_local_work`); without ``pace`` :func:`_local_work` per round (a
+    sweep's base, ``("*sweep", sweep)`` where measured and else the sweep's median, times the
+    arm's ratio measured elsewhere; a sweep not yet run the overall median times
+    :func:`_local_work`); without ``pace`` :func:`_local_work` per round (a
     round of 50 clients of K = 10 local steps is one unit). Members whose key is in ``skip``
     (finished) cost nothing. ``resumed``: an interrupted member costs only the rounds after
     the one it resumes from (:func:`rounds_done`; for a deadline and an estimate, not for
@@ -181,9 +182,10 @@ def measured_pace(specs: list[RunSpec], before: float | None = None,
     not run yet); empty when none ran on a GPU. CPU runs are left out.
 
     By default a pace is a run's wall seconds per round, what a worker sharing the GPU as the
-    run did sees (``--deadline``). With ``device_share``, it is the GPU's seconds per round:
-    the wall pace over the worker processes that shared the GPU (the run's recorded
-    ``device.workers``; ``device_share`` for a run that does not record it)."""
+    run did sees (``--deadline`` without ``LINATTN_DEVICE_WORKERS``; with it, the deadline
+    prices with :func:`wall_pace`, at this call's sharing). With ``device_share``, it is the
+    GPU's seconds per round: the wall pace over the worker processes that shared the GPU (the
+    run's recorded ``device.workers``; ``device_share`` for a run that does not record it)."""
     measured = []
     for s in specs:
         if not _finished_before(s.run_dir, before):
@@ -377,13 +379,33 @@ class DeviceLost(RuntimeError):
 
 def device_unusable(exc: BaseException) -> bool:
     """True for an error that leaves the process's CUDA context unusable: a device-side assert,
-    an illegal address or a launch failure (torch's ``AcceleratorError``, or a ``RuntimeError``
-    reading "CUDA error: ..."). Every later CUDA call of the process raises it again, so the
-    worker's remaining runs would all fail at once. Out of memory is not one of them."""
-    if type(exc).__name__ in ("OutOfMemoryError",):
+    an illegal memory access, address or instruction, a misaligned address, an unspecified
+    launch failure or an uncorrectable ECC error (torch's ``AcceleratorError``, or a
+    ``RuntimeError`` reading "CUDA error: " followed by one of these). Every later CUDA call of
+    the process raises it again, so the worker's remaining runs would all fail at once. Errors
+    the context survives are not among them: out of memory, an invalid configuration or a
+    CUBLAS failure fail one run and the worker goes on."""
+    name = type(exc).__name__
+    if name == "OutOfMemoryError":
         return False
-    return type(exc).__name__ == "AcceleratorError" or (
-        isinstance(exc, RuntimeError) and "CUDA error:" in str(exc))
+    if name == "AcceleratorError":
+        return True
+    if not isinstance(exc, RuntimeError):
+        return False
+    text = str(exc).lower()
+    if "cuda error:" not in text or "out of memory" in text:
+        return False
+    return any(sign in text for sign in _POISONING_CUDA_ERRORS)
+
+
+# Messages of the CUDA errors after which the context is lost (cudaErrorAssert,
+# cudaErrorIllegalAddress, cudaErrorIllegalInstruction, cudaErrorMisalignedAddress,
+# cudaErrorLaunchFailure, cudaErrorECCUncorrectable and their driver counterparts).
+_POISONING_CUDA_ERRORS = (
+    "device-side assert", "illegal memory access", "illegal address", "illegal instruction",
+    "misaligned address", "unspecified launch failure", "uncorrectable ecc",
+    "launch timed out", "hardware stack error", "invalid program counter",
+)
 
 
 def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int | None = None,
@@ -458,7 +480,8 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
         from real_data.rundir import device_workers  # it imports torch; --list does not
 
         dpace = wall_pace([*plan_runs(plan), *(price_runs or [])],
-                          None if isinstance(pending, bool) else float(pending),
+                          None if price_runs or isinstance(pending, bool)
+                          else float(pending),
                           device_workers()) or dpace
     if shard is not None:
         # without pending, over the whole selection: workers started at any time agree on

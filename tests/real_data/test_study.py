@@ -645,17 +645,11 @@ def test_measured_pace_weighs_the_pending_split(tmp_path):
     other = dict(pace, **{"other": 0.1})
     del other[("digits", "slow")]
     group = [by_key["digits/slow/alpha=0.5/seed=0"]]
-    # the sweep's median as if both arms ran, from the arm that did: 0.2 / 0.5
+    # the sweep's base (its median as if both arms ran): each arm's pace over its ratio,
+    # 0.6 / 1.5 and 0.2 / 0.5
     assert other[("*sweep", "digits")] == pytest.approx(0.4)
     assert study._group_cost(group, other) == pytest.approx(3 * 0.4 * 1.5)
-    # only the cheap arm ran in a sweep (a pooled reference): the slow arm is priced at its
-    # own level (0.6 s), not at the cheap arm's median times its ratio (0.2 x 1.5)
-    alone = study.measured_pace([by_key["digits/fast/alpha=0.5/seed=2"]])
-    ratios = {k: v for k, v in pace.items() if isinstance(k, tuple) and k[0] == "*"}
-    alone = {**alone, **ratios}
-    alone[("*sweep", "digits")] = alone[("digits", "fast")] / ratios[("*", "fast")]
-    assert study._group_cost(group, alone) == pytest.approx(3 * 0.6)
-    assert pace[("*sweep", "digits")] == pytest.approx(0.4)  # both arms: 0.6 / 1.5, 0.2 / 0.5
+    assert pace[("*sweep", "digits")] == pytest.approx(0.4)
     no_base = {k: v for k, v in other.items() if k != ("*sweep", "digits")}
     assert study._group_cost(group, {**no_base, "digits": 0.1}) == pytest.approx(3 * 0.1 * 1.5)
     order = ["digits/slow/alpha=0.5/seed=0", "digits/fast/alpha=0.5/seed=0",
@@ -667,6 +661,34 @@ def test_measured_pace_weighs_the_pending_split(tmp_path):
     by_pace = [[g[0].key for g in study.shard_groups(groups, (k, 2), pace)] for k in range(2)]
     assert by_rounds == [[order[0], order[2]], [order[1]]]
     assert by_pace == [[order[0], order[1]], [order[2]]]
+
+
+def test_arm_ratios_come_from_sweeps_where_several_arms_ran(tmp_path):
+    """Sweep ``a`` ran both arms, sweep ``b`` only the cheap one (a pooled reference, say):
+    the arms' ratios come from ``a`` alone, ``b``'s base is its cheap arm's pace over that
+    arm's ratio, and ``b``'s slow arm is priced at that base times the slow arm's ratio, not
+    at ``b``'s median (its cheap arm) times it."""
+    data = yaml.safe_load(yaml.safe_dump(PLAN))
+    arms = [{"name": "slow", "overrides": ["algorithm.name=fedprox"]},
+            {"name": "fast", "overrides": ["algorithm.name=fedavg"]}]
+    data["sweeps"] = [dict(data["sweeps"][0], name=name, arms=arms) for name in ("a", "b")]
+    plan = _plan(tmp_path, data)
+    by_key = {s.key: s for s in study.plan_runs(plan)}
+    for key, sec in (("a/slow", 0.9), ("a/fast", 0.3), ("b/fast", 0.1)):
+        run_dir = by_key[f"{key}/alpha=0.5/seed=0"].run_dir
+        run_dir.mkdir(parents=True)
+        (run_dir / "summary.json").write_text(json.dumps(
+            {"status": "completed", "seconds_per_round": sec, "device": {"type": "cuda"}}))
+    pace = study.measured_pace(study.plan_runs(plan))
+    # sweep a's median 0.6: slow 1.5x, fast 0.5x; sweep b (one arm) adds no ratio
+    assert pace[("*", "slow")] == pytest.approx(1.5)
+    assert pace[("*", "fast")] == pytest.approx(0.5)
+    assert pace[("*sweep", "a")] == pytest.approx(0.6)
+    assert pace[("*sweep", "b")] == pytest.approx(0.1 / 0.5)
+    assert pace["b"] == pytest.approx(0.1)
+    # b's slow arm: 3 rounds at 0.2 x 1.5 s, where b's median would give 0.1 x 1.5
+    assert study._group_cost([by_key["b/slow/alpha=0.5/seed=0"]], pace) == \
+        pytest.approx(3 * 0.2 * 1.5)
 
 
 def test_pending_before_freezes_what_counts_as_finished(tmp_path):
@@ -713,7 +735,14 @@ def test_device_unusable_tells_a_lost_cuda_context_from_a_broken_run():
     assert study.device_unusable(AcceleratorError("CUDA error: device-side assert triggered"))
     assert study.device_unusable(RuntimeError("CUDA error: an illegal memory access was "
                                               "encountered"))
+    assert study.device_unusable(RuntimeError("CUDA error: unspecified launch failure"))
+    assert study.device_unusable(RuntimeError("CUDA error: misaligned address"))
     assert not study.device_unusable(torch.OutOfMemoryError("CUDA out of memory"))
+    # errors the context survives fail one run, not the worker
+    assert not study.device_unusable(RuntimeError("CUDA error: out of memory"))
+    assert not study.device_unusable(RuntimeError("CUDA error: invalid configuration argument"))
+    assert not study.device_unusable(RuntimeError(
+        "CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasSgemm( handle)`"))
     assert not study.device_unusable(RuntimeError("simulated crash"))
     assert not study.device_unusable(ValueError("CUDA error: in a value error"))
 
@@ -855,7 +884,8 @@ def test_gpu_seconds_count_a_shared_gpu_once(tmp_path, monkeypatch):
     assert runner.measured_pace(specs, device_share=2)[
         (specs[0].sweep.name, specs[0].arm.name)] == pytest.approx(2.0)
     # a worker sharing its GPU with 3 processes in all (the deadline's wall pace): 2 GPU-s
-    # (recorded 2 workers) and 4 / 3 (recorded none: shared as now) per round, times 3
+    # (recorded 2 workers) and 4 / 3 (recorded none: shared as this call's workers) per
+    # round, times 3
     key0 = (specs[0].sweep.name, specs[0].arm.name)
     three = runner.wall_pace(specs, None, 3)
     assert three[key0] == pytest.approx(3 * (2.0 + 4.0 / 3) / 2)

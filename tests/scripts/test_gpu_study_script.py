@@ -188,12 +188,48 @@ exec {sys.executable} "$@"
         "sweeps": [{"name": "digits", "config": "digits_vit", "overrides": TINY,
                     "alphas": [0.5], "arms": [
                         {"name": "fedavg", "overrides": ["algorithm.name=fedavg"]}]}]}))
+    # the stand-in loses the context at once, which by default counts as a broken device
     res = subprocess.run(["bash", str(SCRIPT), str(plan_path), "150", "1", str(tmp_path / "o")],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+                         cwd=ROOT, env={**env, "FAST_LOSS_S": "0"}, capture_output=True,
+                         text=True, timeout=400)
     assert res.returncode == 0, res.stdout + res.stderr
     assert flag.is_file() and "worker 0: the GPU context was lost" in res.stdout
+    assert "lost again" not in res.stdout
     specs = study.plan_runs(study.load_plan(plan_path))
     assert len(specs) == 2 and all(study._status(s.run_dir) == "completed" for s in specs)
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None
+                    or shutil.which("split") is None, reason="needs bash, timeout and split")
+@pytest.mark.parametrize("fast_loss_s, restarts", [("0", 2), ("30", 0)])
+def test_a_worker_that_keeps_losing_its_gpu_context_stops(tmp_path, fast_loss_s, restarts):
+    """A worker whose every process exits with status 3 is restarted at most MAX_RESTARTS
+    times, and not at all when the context is lost within FAST_LOSS_S seconds of a start; the
+    other worker's runs still finish and come back."""
+    env = _stand_in_env(tmp_path)
+    count = tmp_path / "starts"
+    shim = tmp_path / "bin" / "python"
+    shim.write_text(f"""#!/usr/bin/env bash
+case "$*" in
+  *"--shard 0/2 --pending-before"*) echo x >> {count}; exit 3 ;;
+esac
+exec {sys.executable} "$@"
+""")
+    shim.chmod(0o755)
+    plan_path = tmp_path / "plan.yaml"
+    plan_path.write_text(yaml.safe_dump({
+        "name": "lost", "out_dir": str(tmp_path / "runs"), "seeds": [0, 1],
+        "sweeps": [{"name": "digits", "config": "digits_vit", "overrides": TINY,
+                    "alphas": [0.5], "arms": [
+                        {"name": "fedavg", "overrides": ["algorithm.name=fedavg"]}]}]}))
+    res = subprocess.run(["bash", str(SCRIPT), str(plan_path), "150", "1", str(tmp_path / "o")],
+                         cwd=ROOT, env={**env, "FAST_LOSS_S": fast_loss_s, "MAX_RESTARTS": "2"},
+                         capture_output=True, text=True, timeout=400)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert len(count.read_text().split()) == restarts + 1
+    assert f"worker 0: the GPU context was lost again (exit 3, {restarts} restarts)" in res.stdout
+    specs = study.plan_runs(study.load_plan(plan_path))
+    assert [study._status(s.run_dir) == "completed" for s in specs].count(True) == 1
 
 
 def _tuned_plan(tmp_path: Path) -> Path:
