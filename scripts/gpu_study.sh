@@ -34,6 +34,9 @@
 # With "--profile-split kernels" in PROFILE_ARGS the GPUs share every cell instead (each the
 # k-th of every ngpu kernels): for fewer cells than GPUs, or a budget one GPU cannot end in time.
 # A cell is profiled from the snapshots on this machine, so its runs train here first.
+# NO_DEADLINE=1: the workers start every group of their shard, with no --deadline (for groups
+# longer than one call: the limit kills them, and the next call resumes them on this machine
+# if it is still warm, or from the partial archive, PARTIAL_ARCHIVE).
 # A worker whose CUDA context is lost (exit 3, `linattn study` after a device-side assert)
 # starts again while more than a minute is left; its runs resume from their checkpoints.
 # Each worker (--shard k/n) takes the machine's cores divided by the n workers as its CPU
@@ -100,15 +103,17 @@ launch=$(date +%s)  # what finished before this is what every worker counts as f
 max_restarts=${MAX_RESTARTS:-3}
 fast_loss_s=${FAST_LOSS_S:-30}
 worker() {
-  local k=$1 rest rc began restarts=0
+  local k=$1 rest rc began restarts=0 deadline
   shift
   : > "$out/logs/worker_$k.log"
   while :; do
     began=$(date +%s)
     rest=$((left - (began - launch)))
+    deadline=(--deadline "$((rest - 20))")
+    if [ "${NO_DEADLINE:-0}" = 1 ]; then deadline=(); fi
     CUDA_VISIBLE_DEVICES=$((k % ngpu)) LINATTN_DEVICE_WORKERS=$per_gpu timeout -s KILL "$rest" \
       python -m linattn study --plan "$plan" --shard "$k/$workers" --pending-before "$launch" \
-      --deadline "$((rest - 20))" --no-tables "$@" >> "$out/logs/worker_$k.log" 2>&1
+      "${deadline[@]}" --no-tables "$@" >> "$out/logs/worker_$k.log" 2>&1
     rc=$?
     if [ "$rc" -ne 3 ] || [ $((left - ($(date +%s) - launch))) -le 60 ]; then return "$rc"; fi
     if [ "$restarts" -ge "$max_restarts" ] || [ $(($(date +%s) - began)) -lt "$fast_loss_s" ]; then
