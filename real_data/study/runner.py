@@ -138,7 +138,10 @@ def group_cost(members: list[RunSpec], pace: dict | None = None,
                        int(cfg.run.checkpoint_every) if resumed else None)
     head = members[0]
     if pace:
-        per_round = pace.get((head.sweep.name, head.arm.name))
+        # a tuning run (arm ``fedavg+1``, a grid point) costs what its arm costs: the grid
+        # varies lr, schedules and mu, not the work of a round
+        arm, base_arm = head.arm.name, tuned_arm_base(head.arm.name)
+        per_round = pace.get((head.sweep.name, arm), pace.get((head.sweep.name, base_arm)))
         if per_round is None:  # the sweep's (or overall) median, times the arm's measured
             # ratio to its sweep's median in the other sweeps (FedSQ ~2.3x, SCAFFOLD ~1.6x);
             # a sweep not measured yet: the overall median scaled by its local work and by
@@ -147,11 +150,17 @@ def group_cost(members: list[RunSpec], pace: dict | None = None,
                 if head.sweep.name in pace else \
                 pace["*"] * _local_work(cfg, WIDTH_FLOOR) \
                 * pace.get(("*attention", _attention(cfg)), 1.0) * _model_scale(cfg, pace)
-            per_round = base * pace.get(("*", head.arm.name),
-                                        0.3 if head.arm.reference else 1.0)
+            per_round = base * pace.get(("*", arm), pace.get(
+                ("*", base_arm), 0.3 if head.arm.reference else 1.0))
         return cost * per_round
     # one client: a fraction of a round
     return cost * _local_work(cfg)
+
+
+def tuned_arm_base(name: str) -> str:
+    """The arm a tuning stage's arm tunes: ``fedavg`` for its grid point ``fedavg+1``."""
+    head, plus, index = name.rpartition("+")
+    return head if plus and index.isdigit() else name
 
 
 def _model_scale(cfg, pace: dict) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -687,8 +688,15 @@ def test_arm_ratios_come_from_sweeps_where_several_arms_ran(tmp_path):
     assert pace[("*sweep", "b")] == pytest.approx(0.1 / 0.5)
     assert pace["b"] == pytest.approx(0.1)
     # b's slow arm: 3 rounds at 0.2 x 1.5 s, where b's median would give 0.1 x 1.5
-    assert study._group_cost([by_key["b/slow/alpha=0.5/seed=0"]], pace) == \
-        pytest.approx(3 * 0.2 * 1.5)
+    slow_b = by_key["b/slow/alpha=0.5/seed=0"]
+    assert study._group_cost([slow_b], pace) == pytest.approx(3 * 0.2 * 1.5)
+    # a tuning stage's grid point of an arm (``slow+1``) is priced as its arm, here and in
+    # sweep a, where the arm's own pace was measured
+    for spec, cost in ((slow_b, 3 * 0.2 * 1.5), (by_key["a/slow/alpha=0.5/seed=0"], 3 * 0.9)):
+        tuned = dataclasses.replace(spec, arm=dataclasses.replace(spec.arm, name="slow+1"))
+        assert study._group_cost([tuned], pace) == pytest.approx(cost)
+    assert runner.tuned_arm_base("slow+12") == "slow"
+    assert runner.tuned_arm_base("a+b") == "a+b" and runner.tuned_arm_base("x+") == "x+"
 
 
 def test_pending_before_freezes_what_counts_as_finished(tmp_path):
