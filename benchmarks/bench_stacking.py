@@ -6,7 +6,9 @@ alpha 0.1, 3 seeds x (FedAvg + FedFrozen value-only and all-but-Q/K at 7 warm-up
 
 - per run: ``--no-stack`` in ``--workers`` processes side by side (``--shard k/n``), each run
   trained alone, T0 branches forked from their family's snapshots;
-- stacked: one process, every family in one stacked group.
+- stacked: one process, every family in one stacked group;
+- with ``--live-pad``, stacked again with ``LINATTN_STACK_PAD=live``
+  (:func:`real_data.stacked_runs.run_group`'s ``pad``), the wall-time ratio to the first.
 
 Reported per way: wall seconds from launch to the last run's summary, completed runs per
 GPU-hour, and for the stacked way the effective TFLOP/s (the runs' summed training FLOPs over
@@ -63,9 +65,10 @@ def _plan(out_dir: Path, config: str, rounds: int, t0s: list[int], seeds: list[i
                                   "warmup_rounds": t0s}]}]}
 
 
-def _study(plan: Path, *args: str) -> subprocess.Popen:
+def _study(plan: Path, *args: str, pad: str = "group") -> subprocess.Popen:
     cmd = [sys.executable, "-m", "linattn", "study", "--plan", str(plan), "--no-tables", *args]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "LINATTN_STACK_PAD": pad})
 
 
 def _timed(procs: list[subprocess.Popen]) -> tuple[float, list[str]]:
@@ -99,7 +102,7 @@ def sweep(args, work: Path) -> dict:
     t0s = [int(t) for t in args.t0.split(",")]
     seeds = [int(s) for s in args.seeds.split(",")]
     result = {}
-    for way in ("alone", "stacked"):
+    for way in ("alone", "stacked", *(("stacked_live",) if args.live_pad else ())):
         plan = work / f"{way}.yaml"
         plan.write_text(yaml.safe_dump(_plan(work / way, args.config, args.rounds, t0s, seeds,
                                              args.alpha, args.override)))
@@ -111,8 +114,8 @@ def sweep(args, work: Path) -> dict:
             wall, _ = _timed([_study(plan, "--no-stack", "--shard", f"{k}/{args.workers}")
                               for k in range(args.workers)])
         else:
-            wall, logs = _timed([_study(plan)])
-            result["stacked_compiled"] = any("compiled engine" in log for log in logs)
+            wall, logs = _timed([_study(plan, pad="live" if way == "stacked_live" else "group")])
+            result[f"{way}_compiled"] = any("compiled engine" in log for log in logs)
         runs = _runs(work / way)
         result[way] = {"wall_s": wall, "runs": runs, "completed": sum(
             r["status"] == "completed" for r in runs.values())}
@@ -136,6 +139,13 @@ def sweep(args, work: Path) -> dict:
         "first_train_loss_max_rel_diff": max(loss_rel),
         "final_test_acc_mean_abs_diff": sum(acc) / len(acc),
         "final_test_acc_max_abs_diff": max(acc)}
+    if "stacked_live" in result:  # the same group, calls padded to each round's runs
+        live = result["stacked_live"]
+        result["comparison"]["live_pad_speedup"] = stacked["wall_s"] / live["wall_s"]
+        result["comparison"]["live_pad_first_train_loss_max_rel_diff"] = max(
+            abs(s["first_train_loss"] - live["runs"][k]["first_train_loss"])
+            / abs(s["first_train_loss"]) for k, s in stacked["runs"].items()
+            if k in live["runs"])
     print(json.dumps(result["comparison"], indent=1), flush=True)
     print(f"effective {stacked['effective_tflops']:.1f} TFLOP/s, peak "
           f"{stacked['peak_memory_gib']:.1f} GiB", flush=True)
@@ -218,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="per-run worker processes side by side (default 2)")
     ap.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                     help="extra config override for every run (repeatable)")
+    ap.add_argument("--live-pad", action="store_true",
+                    help="also run the stacked way with LINATTN_STACK_PAD=live (an eager "
+                    "group's calls padded to each round's runs, not to the group's largest "
+                    "membership; a compiled group pads to the group either way)")
     ap.add_argument("--skip-sweep", action="store_true", help="only the plan projection")
     ap.add_argument("--slices", action="store_true", help="project a plan's GPU time")
     ap.add_argument("--plan", default="main", help="plan to project (default main)")

@@ -123,6 +123,24 @@ def stack_key(cfg: Config) -> tuple:
             t.weight_decay, t.clip_grad_norm)
 
 
+STACK_PAD_ENV = "LINATTN_STACK_PAD"
+STACK_PADS = ("group", "live")
+
+
+def stack_pad_mode(pad: str | None = None) -> str:
+    """How an eager group pads its engine calls: ``pad``, else ``LINATTN_STACK_PAD``, else
+    ``"group"``. Raises ``UserError`` naming the variable for any other value."""
+    import os
+
+    mode = pad if pad is not None else os.environ.get(STACK_PAD_ENV, "group")
+    if mode not in STACK_PADS:
+        source = "pad" if pad is not None else STACK_PAD_ENV
+        raise UserError(f"{source}={mode!r}: one of {', '.join(STACK_PADS)} (group: every "
+                        "engine call padded to the group's largest membership; live: to the "
+                        "runs training in the round)")
+    return mode
+
+
 COMPILE_PAYS_RUN_ROUNDS = 2000
 """Run-rounds from which a CUDA group of ``train.engine=vectorized`` runs compiles its engine
 (``compile="auto"``): on an H200 the compiled engine saves about 23 ms per run-round of the
@@ -145,7 +163,8 @@ def run_group(requests: list[RunRequest], dataset=None, device: torch.device | N
               log: Callable[[str], None] = print,
               on_round_end: RoundHook | None = None,
               on_error: Callable[[object, Exception], None] | None = None,
-              compile: str = "auto") -> list[tuple[object, RunResult]]:
+              compile: str = "auto", pad: str | None = None
+              ) -> list[tuple[object, RunResult]]:
     """Train the runs of ``requests`` (and their branches) as one stacked group.
 
     ``dataset``: loaded once by the caller and shared by every run (one copy on the device).
@@ -153,6 +172,13 @@ def run_group(requests: list[RunRequest], dataset=None, device: torch.device | N
     of ``train.engine=vectorized`` runs with at least :data:`COMPILE_PAYS_RUN_ROUNDS`
     run-rounds to train, where the compilation pays for itself; ``"always"`` and ``"never"``
     decide it regardless (``train.engine=vectorized_compiled`` always compiles).
+    ``pad`` (default ``LINATTN_STACK_PAD``, else ``"group"``): ``"group"`` pads every engine
+    call to the group's largest membership (every run and every branch still to fork), one
+    shape for the group's life; ``"live"`` pads an eager group's calls only to the runs
+    training in the round, so a T0 family does not train its unforked branches' clients as
+    padding from round 1 (each new membership then captures its own CUDA graph, and the
+    previous shape's graphs are released). A compiled group pads as ``"group"`` either way:
+    each new shape would compile again.
     ``log``: a line once the group is prepared, before its first round (its runs, engine and
     preparation seconds), and one per branch forked or skipped.
     ``on_round_end(round, run_dir)``: as in :func:`~real_data.runs.start_run`, for every run.
@@ -165,14 +191,16 @@ def run_group(requests: list[RunRequest], dataset=None, device: torch.device | N
     """
     if compile not in ("auto", "always", "never"):
         raise ValueError(f"compile={compile!r}: one of 'auto', 'always', 'never'")
+    pad = stack_pad_mode(pad)
     with shared_shifts():  # each shifted data set of the group built once
         try:
-            return _run_group(requests, dataset, device, log, on_round_end, on_error, compile)
+            return _run_group(requests, dataset, device, log, on_round_end, on_error, compile,
+                              pad)
         finally:
             clear_pool()  # the group's pooled training data (shifted runs)
 
 
-def _run_group(requests, dataset, device, log, on_round_end, on_error, compile
+def _run_group(requests, dataset, device, log, on_round_end, on_error, compile, pad_mode
                ) -> list[tuple[object, RunResult]]:
     def guarded(label, fn, *args):
         """``fn(*args)``; with ``on_error``, a failure is reported and gives ``FAILED``."""
@@ -211,13 +239,16 @@ def _run_group(requests, dataset, device, log, on_round_end, on_error, compile
         compiled = engine == "vectorized_compiled" or compile == "always"
     stacked = (None if engine == "sequential" else
                (lambda job: fast.train_fast(job, compile=True)) if compiled else fast.train_fast)
+    live = pad_mode == "live" and not compiled
     if members:
         log(f"stacked group of {len(members)} runs: {'compiled' if compiled else 'eager'} "
-            f"engine, prepared in {time.perf_counter() - t_prepare:.1f} s")
+            f"engine, calls padded to {'the round' if live else 'the group'}, prepared in "
+            f"{time.perf_counter() - t_prepare:.1f} s")
     for m in members:
         if m.fed.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(m.fed.device)
     probe_pad = sum(_clients(m) for m in members if m.running and m.probes is not None)
+    live_clients = None
     while any(m.running for m in members):
         # the forking runs' probes due before this round, together; then each decides
         # (a decision at T, or where its selector stops, may roll it back to its T0)
@@ -263,8 +294,13 @@ def _run_group(requests, dataset, device, log, on_round_end, on_error, compile
         for m in active:
             rnd = m.prep.state.round + 1
             works.append((m, rnd, m.fed.begin_round(m.prep.state, rnd)))
+        if live:  # the round's clients: a new shape leaves the old graphs unused
+            clients = sum(len(w.ids) for _, _, w in works)
+            if clients != live_clients and live_clients is not None and cuda:
+                fast.release_graphs()
+            live_clients = clients
         trained = train_jobs([w.job for _, _, w in works], [m.fed.engine for m in active],
-                             stacked, pad_clients=pad)
+                             stacked, pad_clients=None if live else pad)
         for m, rnd, _ in works:
             m.fed.prefetch(rnd + 1)
             m.fed.model.eval()

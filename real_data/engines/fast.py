@@ -58,6 +58,13 @@ def supports(job: LocalJob) -> bool:
     return model_supported(job.model) and job.algorithm.has_model_forward()
 
 
+def release_graphs() -> None:
+    """Drop cached CUDA graphs and their buffers, keeping the chunk-size probes (a caller
+    whose call shape changes and that will not come back to the old one)."""
+    while _CACHE:
+        _CACHE.popitem(last=False)[1].release()
+
+
 def clear_cache() -> None:
     """Drop cached CUDA graphs, their buffers and the chunk-size probes."""
     while _CACHE:

@@ -114,6 +114,35 @@ def test_stacked_group_equals_runs_trained_alone(tmp_path, monkeypatch):
     assert lrs == {"1": 0.03, "2": 0.03, "3": 0.015, "4": 0.015}
 
 
+def test_live_padding_trains_the_same_runs_on_fewer_rows(tmp_path, monkeypatch):
+    """``pad="live"`` (or ``LINATTN_STACK_PAD=live``): the engine calls carry only the
+    round's clients, where ``"group"`` pads round 1 to the branch that joins at round 2; every
+    run's metrics.csv is byte-identical either way (padding rows are discarded)."""
+    from linattn.errors import UserError
+    from real_data.engines import fast
+
+    calls = []
+    train_fast = fast.train_fast
+    monkeypatch.setattr(fast, "train_fast", lambda job, **kw: calls.append(
+        (len(job.client_ids), job.pad_clients)) or train_fast(job, **kw))
+    dataset = load_data(_cfg("fedavg"))
+    run_group(_requests(tmp_path / "group"), dataset=dataset, log=lambda s: None, pad="group")
+    assert calls == [(18, 21), (21, 21), (21, 21), (21, 21)], calls
+    calls.clear()
+    monkeypatch.setenv("LINATTN_STACK_PAD", "live")
+    lines = []
+    run_group(_requests(tmp_path / "live"), dataset=dataset, log=lines.append)
+    assert calls == [(18, None), (21, None), (21, None), (21, None)], calls
+    assert any("calls padded to the round" in line for line in lines), lines
+    for name in [*RUNS, BRANCH[0]]:
+        assert ((tmp_path / "live" / name / "metrics.csv").read_bytes()
+                == (tmp_path / "group" / name / "metrics.csv").read_bytes()), name
+    monkeypatch.setenv("LINATTN_STACK_PAD", "tight")
+    with pytest.raises(UserError, match="LINATTN_STACK_PAD='tight': one of group, live"):
+        run_group(_requests(tmp_path / "bad"), dataset=dataset, log=lambda s: None)
+    assert not (tmp_path / "bad").exists()  # nothing written
+
+
 @pytest.mark.parametrize("models", [1, 3, 5])
 def test_compiled_evaluation_passes_equal_one_pass(tmp_path, monkeypatch, models):
     """The compiled evaluation's passes (models in fixed-size passes, the last padded; samples
