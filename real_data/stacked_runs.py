@@ -177,8 +177,9 @@ def run_group(requests: list[RunRequest], dataset=None, device: torch.device | N
     shape for the group's life; ``"live"`` pads an eager group's calls only to the runs
     training in the round, so a T0 family does not train its unforked branches' clients as
     padding from round 1 (each new membership then captures its own CUDA graph, and the
-    previous shape's graphs are released). A compiled group pads as ``"group"`` either way:
-    each new shape would compile again.
+    previous shape's graphs are released, so runs whose client count changes from round to
+    round capture a graph each round). A compiled group pads as ``"group"`` either way: each
+    new shape would compile again.
     ``log``: a line once the group is prepared, before its first round (its runs, engine and
     preparation seconds), and one per branch forked or skipped.
     ``on_round_end(round, run_dir)``: as in :func:`~real_data.runs.start_run`, for every run.

@@ -38,7 +38,10 @@
 # longer than one call: the limit kills them, and the next call resumes them on this machine
 # if it is still warm, or from the partial archive, PARTIAL_ARCHIVE).
 # A worker whose CUDA context is lost (exit 3, `linattn study` after a device-side assert)
-# starts again while more than a minute is left; its runs resume from their checkpoints.
+# starts again in a new process while more than a minute is left, its runs resuming from their
+# checkpoints: at most MAX_RESTARTS times (default 3), and not when the process lost it within
+# FAST_LOSS_S seconds (default 30) of its start (a context lost at once is lost again on every
+# restart: a broken device, not a broken run).
 # Each worker (--shard k/n) takes the machine's cores divided by the n workers as its CPU
 # threads (`linattn study --threads`); OMP_NUM_THREADS, when set, decides instead. Each
 # worker's runs record WORKERS_PER_GPU as the processes that shared their GPU
@@ -51,6 +54,11 @@
 set -uo pipefail
 plan=${1:?usage: gpu_study.sh PLAN SECONDS WORKERS_PER_GPU OUTDIR [--slice GLOB ...]}
 seconds=${2:?seconds}; per_gpu=${3:?workers per gpu}; out=${4:?outdir}; shift 4
+for var in MAX_RESTARTS FAST_LOSS_S; do
+  if [ -n "${!var:-}" ] && ! [[ ${!var} =~ ^[0-9]+$ ]]; then
+    echo "$var=${!var}: a whole number of restarts or seconds, e.g. $var=3" >&2; exit 2
+  fi
+done
 mkdir -p "$out/logs"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 ngpu=$(nvidia-smi -L | wc -l)
@@ -94,12 +102,7 @@ if [ -n "${PROFILE_ARGS:-}" ]; then profile_s=${PROFILE_SECONDS:-0}; fi
 left=$((seconds - profile_s - ($(date +%s) - start)))
 if [ "$left" -le 30 ]; then echo "no time left for workers after pretraining"; workers=0; fi
 launch=$(date +%s)  # what finished before this is what every worker counts as finished
-# a worker whose GPU context became unusable (exit 3: a device-side assert, after which every
-# CUDA call of the process fails) is started again while more than a minute is left; its runs
-# resume from their last checkpoints
-# A worker whose GPU context is lost (exit 3) restarts in a new process, at most
-# MAX_RESTARTS times, and not when the process lost it within FAST_LOSS_S of starting: a
-# context lost at once is lost again on every restart (a broken device, not a broken run).
+# a worker whose GPU context is lost (exit 3): restarted as the header says
 max_restarts=${MAX_RESTARTS:-3}
 fast_loss_s=${FAST_LOSS_S:-30}
 worker() {
@@ -113,12 +116,17 @@ worker() {
     if [ "${NO_DEADLINE:-0}" = 1 ]; then deadline=(); fi
     CUDA_VISIBLE_DEVICES=$((k % ngpu)) LINATTN_DEVICE_WORKERS=$per_gpu timeout -s KILL "$rest" \
       python -m linattn study --plan "$plan" --shard "$k/$workers" --pending-before "$launch" \
-      "${deadline[@]}" --no-tables "$@" >> "$out/logs/worker_$k.log" 2>&1
+      ${deadline[@]+"${deadline[@]}"} --no-tables "$@" >> "$out/logs/worker_$k.log" 2>&1
     rc=$?
     if [ "$rc" -ne 3 ] || [ $((left - ($(date +%s) - launch))) -le 60 ]; then return "$rc"; fi
-    if [ "$restarts" -ge "$max_restarts" ] || [ $(($(date +%s) - began)) -lt "$fast_loss_s" ]; then
-      echo "worker $k: the GPU context was lost again (exit 3, $restarts restarts); it stops" \
-        | tee -a "$out/logs/worker_$k.log"
+    if [ $(($(date +%s) - began)) -lt "$fast_loss_s" ]; then
+      echo "worker $k: the GPU context was lost within $fast_loss_s s of the process's start" \
+        "(exit 3, after $restarts restarts); it stops" | tee -a "$out/logs/worker_$k.log"
+      return "$rc"
+    fi
+    if [ "$restarts" -ge "$max_restarts" ]; then
+      echo "worker $k: the GPU context was lost again (exit 3, after $restarts restarts);" \
+        "it stops" | tee -a "$out/logs/worker_$k.log"
       return "$rc"
     fi
     restarts=$((restarts + 1))

@@ -155,7 +155,12 @@ def _arm(arm, where: str) -> Arm:
     reference = arm.get("reference", False)
     _require(isinstance(reference, bool), f"{where}.reference", "must be true or false")
     t0s = _ints(arm.get("warmup_rounds", []), f"{where}.warmup_rounds", 0)
-    return Arm(check_name(arm["name"], f"{where}.name"),
+    name = check_name(arm["name"], f"{where}.name")
+    head, plus, index = name.rpartition("+")
+    _require(not (plus and head and index.isdigit()), f"{where}.name",
+             f"{name!r} ends in '+' and a number, the tuning stage's name for grid point "
+             f"{index} of arm {head!r}; rename it (e.g. {name.replace('+', '_')!r})")
+    return Arm(name,
                _strings(arm.get("overrides", []), f"{where}.overrides"),
                tuple(sorted(set(t0s), reverse=True)), reference,
                _grid(arm["grid"], f"{where}.grid") if "grid" in arm else ())

@@ -125,7 +125,8 @@ def rounds_left(members: list[RunSpec], rounds: int, skip: frozenset = frozenset
 def group_cost(members: list[RunSpec], pace: dict | None = None,
                 skip: frozenset = frozenset(), resumed: bool = False) -> float:
     """Rounds the group trains, times the seconds per round measured for its (sweep, arm)
-    where ``pace`` has them (:func:`measured_pace`; an arm not yet run in this sweep takes the
+    where ``pace`` has them (a tuning stage's grid point ``arm+i`` where it has none, its arm's;
+    :func:`measured_pace`; an arm not yet run in this sweep takes the
     sweep's base, ``("*sweep", sweep)`` where measured and else the sweep's median, times the
     arm's ratio measured elsewhere; a sweep not yet run the overall median times
     :func:`_local_work`); without ``pace`` :func:`_local_work` per round (a
@@ -138,8 +139,9 @@ def group_cost(members: list[RunSpec], pace: dict | None = None,
                        int(cfg.run.checkpoint_every) if resumed else None)
     head = members[0]
     if pace:
-        # a tuning run (arm ``fedavg+1``, a grid point) costs what its arm costs: the grid
-        # varies lr, schedules and mu, not the work of a round
+        # a tuning run (arm ``fedavg+1``, a grid point; a plan's own arm names never end in
+        # + and a number) costs what its arm costs: the grid varies lr, schedules and mu, not
+        # the work of a round
         arm, base_arm = head.arm.name, tuned_arm_base(head.arm.name)
         per_round = pace.get((head.sweep.name, arm), pace.get((head.sweep.name, base_arm)))
         if per_round is None:  # the sweep's (or overall) median, times the arm's measured
@@ -160,7 +162,7 @@ def group_cost(members: list[RunSpec], pace: dict | None = None,
 def tuned_arm_base(name: str) -> str:
     """The arm a tuning stage's arm tunes: ``fedavg`` for its grid point ``fedavg+1``."""
     head, plus, index = name.rpartition("+")
-    return head if plus and index.isdigit() else name
+    return head if head and plus and index.isdigit() else name
 
 
 def _model_scale(cfg, pace: dict) -> float:
@@ -389,17 +391,14 @@ class DeviceLost(RuntimeError):
 def device_unusable(exc: BaseException) -> bool:
     """True for an error that leaves the process's CUDA context unusable: a device-side assert,
     an illegal memory access, address or instruction, a misaligned address, an unspecified
-    launch failure or an uncorrectable ECC error (torch's ``AcceleratorError``, or a
+    launch failure or an uncorrectable ECC error (torch's ``AcceleratorError`` or any
     ``RuntimeError`` reading "CUDA error: " followed by one of these). Every later CUDA call of
     the process raises it again, so the worker's remaining runs would all fail at once. Errors
     the context survives are not among them: out of memory, an invalid configuration or a
     CUBLAS failure fail one run and the worker goes on."""
-    name = type(exc).__name__
-    if name == "OutOfMemoryError":
-        return False
-    if name == "AcceleratorError":
-        return True
-    if not isinstance(exc, RuntimeError):
+    # torch raises AcceleratorError, a RuntimeError, for every failed CUDA call, the ones the
+    # context survives included: its message decides, as a RuntimeError's does
+    if type(exc).__name__ == "OutOfMemoryError" or not isinstance(exc, RuntimeError):
         return False
     text = str(exc).lower()
     if "cuda error:" not in text or "out of memory" in text:

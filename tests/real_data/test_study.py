@@ -132,6 +132,9 @@ def test_interrupted_run_is_resumed(tmp_path):
     (lambda p: p["sweeps"][0]["arms"][1].update(warmup_rounds=["x"]),
      "sweeps[0].arms[1].warmup_rounds"),
     (lambda p: p["sweeps"][0]["arms"].append({"name": "fedavg"}), "arm names must be unique"),
+    # the tuning stage's name for fedavg's grid point 2
+    (lambda p: p["sweeps"][0]["arms"][0].update(name="fedavg+2"),
+     "sweeps[0].arms[0].name: 'fedavg.2' ends in '.' and a number"),
 ])
 def test_bad_plans_name_the_key(tmp_path, mutate, key):
     data = yaml.safe_load(yaml.safe_dump(PLAN))
@@ -697,6 +700,33 @@ def test_arm_ratios_come_from_sweeps_where_several_arms_ran(tmp_path):
         assert study._group_cost([tuned], pace) == pytest.approx(cost)
     assert runner.tuned_arm_base("slow+12") == "slow"
     assert runner.tuned_arm_base("a+b") == "a+b" and runner.tuned_arm_base("x+") == "x+"
+    assert runner.tuned_arm_base("+1") == "+1"
+
+
+def test_the_deadline_prices_with_runs_finished_after_the_split(tmp_path, monkeypatch):
+    """``price_runs`` finished after the workers' launch (``pending``) still price the
+    deadline at this call's sharing: a run measured at 1 s a round alone costs 3 s a round to
+    a worker of 3 on the GPU, so a 3-round group does not fit in 5 s."""
+    import time
+
+    data = yaml.safe_load(yaml.safe_dump(PLAN))
+    arms = data["sweeps"][0]["arms"][:1]
+    data["sweeps"] = [dict(data["sweeps"][0], name=name, arms=arms) for name in ("a", "b")]
+    plan = _plan(tmp_path, data)
+    launch = time.time() - 5.0
+    measured = next(s for s in study.plan_runs(plan) if s.sweep.name == "a")
+    measured.run_dir.mkdir(parents=True)
+    (measured.run_dir / "summary.json").write_text(json.dumps(
+        {"status": "completed", "seconds_per_round": 1.0,
+         "device": {"type": "cuda", "workers": 1}}))
+    monkeypatch.setenv("LINATTN_DEVICE_WORKERS", "3")
+    counts = study.run_study(plan, pattern="b/*", deadline_s=5.0, pending=launch,
+                             price_runs=[measured], log=lambda *_: None)
+    assert (counts["started"], counts["left"]) == (0, 1)
+    monkeypatch.setenv("LINATTN_DEVICE_WORKERS", "1")  # alone: 3 s, it fits
+    counts = study.run_study(plan, pattern="b/*", deadline_s=5.0, pending=launch,
+                             price_runs=[measured], log=lambda *_: None)
+    assert (counts["started"], counts["left"]) == (1, 0)
 
 
 def test_pending_before_freezes_what_counts_as_finished(tmp_path):
@@ -741,6 +771,10 @@ class AcceleratorError(RuntimeError):
 
 def test_device_unusable_tells_a_lost_cuda_context_from_a_broken_run():
     assert study.device_unusable(AcceleratorError("CUDA error: device-side assert triggered"))
+    # torch raises AcceleratorError for errors the context survives too
+    assert not study.device_unusable(AcceleratorError(
+        "CUDA error: invalid configuration argument"))
+    assert not study.device_unusable(AcceleratorError("CUDA error: out of memory"))
     assert study.device_unusable(RuntimeError("CUDA error: an illegal memory access was "
                                               "encountered"))
     assert study.device_unusable(RuntimeError("CUDA error: unspecified launch failure"))

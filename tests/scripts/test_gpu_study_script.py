@@ -201,15 +201,22 @@ exec {sys.executable} "$@"
 
 @pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None
                     or shutil.which("split") is None, reason="needs bash, timeout and split")
-@pytest.mark.parametrize("fast_loss_s, restarts", [("0", 2), ("30", 0)])
-def test_a_worker_that_keeps_losing_its_gpu_context_stops(tmp_path, fast_loss_s, restarts):
+@pytest.mark.parametrize("fast_loss_s, restarts, message", [
+    ("0", 2, "lost again (exit 3, after 2 restarts); it stops"),
+    ("30", 0, "lost within 30 s of the process's start (exit 3, after 0 restarts); it stops")])
+def test_a_worker_that_keeps_losing_its_gpu_context_stops(tmp_path, fast_loss_s, restarts,
+                                                          message):
     """A worker whose every process exits with status 3 is restarted at most MAX_RESTARTS
     times, and not at all when the context is lost within FAST_LOSS_S seconds of a start; the
-    other worker's runs still finish and come back."""
+    other worker's runs still finish and come back. With NO_DEADLINE=1 (the first case) no
+    worker gets a --deadline."""
     env = _stand_in_env(tmp_path)
-    count = tmp_path / "starts"
+    count, args = tmp_path / "starts", tmp_path / "args"
     shim = tmp_path / "bin" / "python"
     shim.write_text(f"""#!/usr/bin/env bash
+case "$*" in
+  *"--pending-before"*) echo "$*" >> {args} ;;
+esac
 case "$*" in
   *"--shard 0/2 --pending-before"*) echo x >> {count}; exit 3 ;;
 esac
@@ -222,14 +229,29 @@ exec {sys.executable} "$@"
         "sweeps": [{"name": "digits", "config": "digits_vit", "overrides": TINY,
                     "alphas": [0.5], "arms": [
                         {"name": "fedavg", "overrides": ["algorithm.name=fedavg"]}]}]}))
+    no_deadline = fast_loss_s == "0"
     res = subprocess.run(["bash", str(SCRIPT), str(plan_path), "150", "1", str(tmp_path / "o")],
-                         cwd=ROOT, env={**env, "FAST_LOSS_S": fast_loss_s, "MAX_RESTARTS": "2"},
+                         cwd=ROOT, env={**env, "FAST_LOSS_S": fast_loss_s, "MAX_RESTARTS": "2",
+                                        "NO_DEADLINE": "1" if no_deadline else "0"},
                          capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stdout + res.stderr
     assert len(count.read_text().split()) == restarts + 1
-    assert f"worker 0: the GPU context was lost again (exit 3, {restarts} restarts)" in res.stdout
+    assert f"worker 0: the GPU context was {message}" in res.stdout
     specs = study.plan_runs(study.load_plan(plan_path))
     assert [study._status(s.run_dir) == "completed" for s in specs].count(True) == 1
+    calls = args.read_text().splitlines()
+    assert len(calls) == restarts + 2  # worker 0's processes and worker 1's one
+    assert all(("--deadline" in c) != no_deadline for c in calls), calls
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.parametrize("var", ["MAX_RESTARTS", "FAST_LOSS_S"])
+def test_gpu_study_script_rejects_a_restart_limit_that_is_not_a_number(tmp_path, var):
+    res = subprocess.run(["bash", str(SCRIPT), "plan.yaml", "150", "1", str(tmp_path / "o")],
+                         cwd=ROOT, env={**os.environ, var: "three"}, capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 2 and f"{var}=three: a whole number" in res.stderr
+    assert not (tmp_path / "o").exists()  # nothing written
 
 
 def _tuned_plan(tmp_path: Path) -> Path:
