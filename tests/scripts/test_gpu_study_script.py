@@ -166,18 +166,19 @@ def test_gpu_study_script_stops_when_pretraining_fails(tmp_path):
     assert not list((tmp_path / "o").glob("study_runs*"))  # no worker ran
 
 
-@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None
-                    or shutil.which("split") is None, reason="needs bash, timeout and split")
-def test_a_worker_whose_gpu_context_is_lost_starts_again(tmp_path):
-    """A worker process that exits with status 3 (its CUDA context unusable, linattn study's
-    DeviceLost) is started again while time is left, and its runs all finish: here a stand-in
-    ``python`` makes worker 0's first process exit with 3 before it trains anything."""
-    env = _stand_in_env(tmp_path)
-    flag = tmp_path / "lost_once"
+def _lost_context_call(tmp_path: Path, worker0: str, env: dict) -> tuple:
+    """gpu_study.sh over a 2-run plan with one worker per shard, 150 s, under a stand-in
+    ``python`` that records each worker's arguments in ``tmp_path / "args"`` and runs the
+    shell line ``worker0`` for worker 0's processes before it would start them (an ``exit
+    3`` there is a lost GPU context). Returns the result and the plan's runs."""
+    args = tmp_path / "args"
     shim = tmp_path / "bin" / "python"
     shim.write_text(f"""#!/usr/bin/env bash
 case "$*" in
-  *"--shard 0/2 --pending-before"*) if [ ! -e {flag} ]; then touch {flag}; exit 3; fi ;;
+  *"--pending-before"*) echo "$*" >> {args} ;;
+esac
+case "$*" in
+  *"--shard 0/2 --pending-before"*) {worker0} ;;
 esac
 exec {sys.executable} "$@"
 """)
@@ -188,14 +189,25 @@ exec {sys.executable} "$@"
         "sweeps": [{"name": "digits", "config": "digits_vit", "overrides": TINY,
                     "alphas": [0.5], "arms": [
                         {"name": "fedavg", "overrides": ["algorithm.name=fedavg"]}]}]}))
-    # the stand-in loses the context at once, which by default counts as a broken device
     res = subprocess.run(["bash", str(SCRIPT), str(plan_path), "150", "1", str(tmp_path / "o")],
-                         cwd=ROOT, env={**env, "FAST_LOSS_S": "0"}, capture_output=True,
-                         text=True, timeout=400)
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stdout + res.stderr
+    return res, study.plan_runs(study.load_plan(plan_path))
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None
+                    or shutil.which("split") is None, reason="needs bash, timeout and split")
+def test_a_worker_whose_gpu_context_is_lost_starts_again(tmp_path):
+    """A worker process that exits with status 3 (its CUDA context unusable, linattn study's
+    DeviceLost) is started again while time is left, and its runs all finish: here a stand-in
+    ``python`` makes worker 0's first process exit with 3 before it trains anything."""
+    flag = tmp_path / "lost_once"
+    # the stand-in loses the context at once, which by default counts as a broken device
+    res, specs = _lost_context_call(
+        tmp_path, f"if [ ! -e {flag} ]; then touch {flag}; exit 3; fi",
+        {**_stand_in_env(tmp_path), "FAST_LOSS_S": "0"})
     assert flag.is_file() and "worker 0: the GPU context was lost" in res.stdout
-    assert "lost again" not in res.stdout
-    specs = study.plan_runs(study.load_plan(plan_path))
+    assert "it stops" not in res.stdout
     assert len(specs) == 2 and all(study._status(s.run_dir) == "completed" for s in specs)
 
 
@@ -210,36 +222,16 @@ def test_a_worker_that_keeps_losing_its_gpu_context_stops(tmp_path, fast_loss_s,
     times, and not at all when the context is lost within FAST_LOSS_S seconds of a start; the
     other worker's runs still finish and come back. With NO_DEADLINE=1 (the first case) no
     worker gets a --deadline."""
-    env = _stand_in_env(tmp_path)
-    count, args = tmp_path / "starts", tmp_path / "args"
-    shim = tmp_path / "bin" / "python"
-    shim.write_text(f"""#!/usr/bin/env bash
-case "$*" in
-  *"--pending-before"*) echo "$*" >> {args} ;;
-esac
-case "$*" in
-  *"--shard 0/2 --pending-before"*) echo x >> {count}; exit 3 ;;
-esac
-exec {sys.executable} "$@"
-""")
-    shim.chmod(0o755)
-    plan_path = tmp_path / "plan.yaml"
-    plan_path.write_text(yaml.safe_dump({
-        "name": "lost", "out_dir": str(tmp_path / "runs"), "seeds": [0, 1],
-        "sweeps": [{"name": "digits", "config": "digits_vit", "overrides": TINY,
-                    "alphas": [0.5], "arms": [
-                        {"name": "fedavg", "overrides": ["algorithm.name=fedavg"]}]}]}))
+    count = tmp_path / "starts"
     no_deadline = fast_loss_s == "0"
-    res = subprocess.run(["bash", str(SCRIPT), str(plan_path), "150", "1", str(tmp_path / "o")],
-                         cwd=ROOT, env={**env, "FAST_LOSS_S": fast_loss_s, "MAX_RESTARTS": "2",
-                                        "NO_DEADLINE": "1" if no_deadline else "0"},
-                         capture_output=True, text=True, timeout=400)
-    assert res.returncode == 0, res.stdout + res.stderr
+    res, specs = _lost_context_call(
+        tmp_path, f"echo x >> {count}; exit 3",
+        {**_stand_in_env(tmp_path), "FAST_LOSS_S": fast_loss_s, "MAX_RESTARTS": "2",
+         "NO_DEADLINE": "1" if no_deadline else "0"})
     assert len(count.read_text().split()) == restarts + 1
     assert f"worker 0: the GPU context was {message}" in res.stdout
-    specs = study.plan_runs(study.load_plan(plan_path))
     assert [study._status(s.run_dir) == "completed" for s in specs].count(True) == 1
-    calls = args.read_text().splitlines()
+    calls = (tmp_path / "args").read_text().splitlines()
     assert len(calls) == restarts + 2  # worker 0's processes and worker 1's one
     assert all(("--deadline" in c) != no_deadline for c in calls), calls
 
