@@ -125,11 +125,11 @@ def rounds_left(members: list[RunSpec], rounds: int, skip: frozenset = frozenset
 def group_cost(members: list[RunSpec], pace: dict | None = None,
                 skip: frozenset = frozenset(), resumed: bool = False) -> float:
     """Rounds the group trains, times the seconds per round measured for its (sweep, arm)
-    where ``pace`` has them (a tuning stage's grid point ``arm+i`` where it has none, its arm's;
-    :func:`measured_pace`; an arm not yet run in this sweep takes the
-    sweep's base, ``("*sweep", sweep)`` where measured and else the sweep's median, times the
-    arm's ratio measured elsewhere; a sweep not yet run the overall median times
-    :func:`_local_work`); without ``pace`` :func:`_local_work` per round (a
+    where ``pace`` (:func:`measured_pace`) has them. A tuning stage's grid point ``arm+i``
+    without a pace of its own takes its arm's. An arm not yet run in this sweep takes the
+    sweep's base (``("*sweep", sweep)`` where measured, else the sweep's median) times the
+    arm's ratio measured elsewhere; a sweep not yet run, the overall median times
+    :func:`_local_work`. Without ``pace``, :func:`_local_work` per round (a
     round of 50 clients of K = 10 local steps is one unit). Members whose key is in ``skip``
     (finished) cost nothing. ``resumed``: an interrupted member costs only the rounds after
     the one it resumes from (:func:`rounds_done`; for a deadline and an estimate, not for
