@@ -221,7 +221,11 @@ def _study(argv: list[str]) -> int:
         "slices, then aggregated into tables.",
         epilog="Exit status: 0 done; 1 some run failed (FAILED lines); 2 a bad plan, option or "
         "file; 3 the GPU's context became unusable (a device-side assert: every later run of "
-        "the process would fail), so the process stopped and a new one resumes its runs.")
+        "the process would fail), so the process stopped and a new one resumes its runs. "
+        "Environment: LINATTN_DATA, the data cache root; LINATTN_DEVICE_WORKERS, the "
+        "processes sharing this GPU (recorded in each run; --deadline prices at it); "
+        "LINATTN_STACK_PAD=group|live, an eager stacked group's engine calls padded to its "
+        "largest membership (default) or to each round's runs.")
     ap.add_argument("--plan", required=True, help="plan YAML, or the name of a shipped plan")
     ap.add_argument("--out", type=Path,
                     help="folder of the study's runs (default: the plan's out_dir, relative "
