@@ -474,6 +474,10 @@ def run_study(plan: Plan, pattern: str | list[str] | None = None, max_runs: int 
         ensure_pretrained(plan, [m for g in todo for m in g
                                  if run_status(m.run_dir) != "completed"], log, shard)
         return {"pretrained": sum(plan.pretrained_path(j).is_file() for j in plan.pretrain)}
+    if stack and todo:
+        from real_data.stacked_runs import stack_pad_mode  # it imports torch; --list does not
+
+        stack_pad_mode()  # a bad LINATTN_STACK_PAD stops here, before any run's folder
     # pending: workers that start together see the same finished runs, so they may also
     # weigh each group by the seconds per round measured so far for its arm, in the whole
     # plan (a slice not run yet is priced by the sweeps that ran)

@@ -155,6 +155,14 @@ def test_an_arm_whose_default_warmup_needs_a_validation_split_is_refused_at_load
     assert [a.name for a in _plan(tmp_path, data).sweeps[0].arms][-1] == "decides"
 
 
+def test_a_bad_stack_pad_stops_the_study_before_any_run(tmp_path):
+    _plan(tmp_path)
+    res = run_cli("study", "--plan", str(tmp_path / "plan.yaml"), "--out", str(tmp_path / "out"),
+                  "--no-tables", env={"LINATTN_STACK_PAD": "tight"})
+    assert res.returncode == 2 and "LINATTN_STACK_PAD='tight': one of group, live" in res.stderr
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
 def test_bad_override_in_plan_writes_nothing(tmp_path):
     data = yaml.safe_load(yaml.safe_dump(PLAN))
     data["sweeps"][0]["arms"][0]["overrides"] = ["train.nonsense=1"]
