@@ -16,7 +16,13 @@ from real_data import rundir
 from real_data.algorithms import get_algorithm
 from real_data.config import Config, Named, build_dataclass
 from real_data.runs import RunResult, load_data, make_partition_for, start_run
-from real_data.stacked_runs import Branch, RunRequest, group_for_device, run_group
+from real_data.stacked_runs import (
+    Branch,
+    RunRequest,
+    group_for_device,
+    run_group,
+    stack_pad_mode,
+)
 
 
 def _algorithm_section(cfg: Config, name: str, warmup_rounds: int | None) -> Named:
@@ -71,6 +77,8 @@ def run_sweep(cfg: Config, out: Path, algorithms=(), seeds=(), warmup_rounds=(),
         key = (item["alpha"], item["seed"])
         if key not in partitions:
             partitions[key] = make_partition_for(item["cfg"], dataset)
+    if stack:
+        stack_pad_mode()  # a bad LINATTN_STACK_PAD stops before anything is written
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     index = rundir.CsvAppender(out / "sweep.csv", "run_dir,algorithm,seed,alpha,warmup_rounds,"

@@ -141,6 +141,11 @@ def test_live_padding_trains_the_same_runs_on_fewer_rows(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="LINATTN_STACK_PAD='tight': one of group, live"):
         run_group(_requests(tmp_path / "bad"), dataset=dataset, log=lambda s: None)
     assert not (tmp_path / "bad").exists()  # nothing written
+    from real_data.sweep import run_sweep
+
+    with pytest.raises(UserError, match="LINATTN_STACK_PAD='tight'"):
+        run_sweep(_cfg("fedavg"), tmp_path / "sweep", algorithms=["fedavg"], seeds=[0])
+    assert not (tmp_path / "sweep").exists()
 
 
 @pytest.mark.parametrize("models", [1, 3, 5])
