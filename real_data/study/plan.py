@@ -149,6 +149,13 @@ def _grid(value, where: str) -> tuple[tuple[str, tuple], ...]:
     return tuple(sorted(out))
 
 
+def tuned_arm_base(name: str) -> str:
+    """The arm a tuning stage's arm tunes: ``fedavg`` for its grid point ``fedavg+1``
+    (:mod:`~real_data.study.tuning` names them so); any other name as it is."""
+    head, plus, index = name.rpartition("+")
+    return head if head and plus and index.isdigit() else name
+
+
 def _arm(arm, where: str) -> Arm:
     arm = _mapping(arm, where, {"name", "overrides", "warmup_rounds", "reference", "grid"},
                    ("name",))
@@ -156,10 +163,11 @@ def _arm(arm, where: str) -> Arm:
     _require(isinstance(reference, bool), f"{where}.reference", "must be true or false")
     t0s = _ints(arm.get("warmup_rounds", []), f"{where}.warmup_rounds", 0)
     name = check_name(arm["name"], f"{where}.name")
-    head, plus, index = name.rpartition("+")
-    _require(not (plus and head and index.isdigit()), f"{where}.name",
+    head = tuned_arm_base(name)
+    _require(head == name, f"{where}.name",
              f"{name!r} ends in '+' and a number, the tuning stage's name for grid point "
-             f"{index} of arm {head!r}; rename it (e.g. {name.replace('+', '_')!r})")
+             f"{name[len(head) + 1:]} of arm {head!r}; rename it "
+             f"(e.g. {name.replace('+', '_')!r})")
     return Arm(name,
                _strings(arm.get("overrides", []), f"{where}.overrides"),
                tuple(sorted(set(t0s), reverse=True)), reference,

@@ -23,7 +23,14 @@ from linattn.errors import ConfigError, DataError, UserError
 from linattn.fileio import atomic_path
 from real_data.config import load_config
 from real_data.lock import RunLocked
-from real_data.study.plan import Plan, RunSpec, plan_runs, run_config, run_overrides
+from real_data.study.plan import (
+    Plan,
+    RunSpec,
+    plan_runs,
+    run_config,
+    run_overrides,
+    tuned_arm_base,
+)
 
 FINAL = ("completed", "diverged")  # a diverged run is a result (its status says so), not redone
 
@@ -157,12 +164,6 @@ def group_cost(members: list[RunSpec], pace: dict | None = None,
         return cost * per_round
     # one client: a fraction of a round
     return cost * _local_work(cfg)
-
-
-def tuned_arm_base(name: str) -> str:
-    """The arm a tuning stage's arm tunes: ``fedavg`` for its grid point ``fedavg+1``."""
-    head, plus, index = name.rpartition("+")
-    return head if head and plus and index.isdigit() else name
 
 
 def _model_scale(cfg, pace: dict) -> float:
