@@ -14,7 +14,11 @@ validation. The panels:
   row with the same two panels for the other attention where its axes ran;
 - "is it the kernel?": at the centre (K, lr) under Dirichlet, every arm of the T0 grid, one
   colour per arm (FedFrozen, the equal-size control that freezes V and the attention output
-  instead, FedFrozen on FedProx and on SCAFFOLD), linear attention solid and softmax dashed.
+  instead, FedFrozen on FedProx and on SCAFFOLD), linear attention solid and softmax dashed;
+- "scale and regime", where the study holds a wider model or a cross-device sweep at the
+  centre: FedFrozen at the centre (K, lr) under Dirichlet for the main model, each wider model
+  and each cross-device sweep, in the first row's attention (a panel of its own column where
+  the figure has one row, else beside the second row's axes).
 
     linattn figure 13 --real-data docs/study/p3
 """
@@ -80,8 +84,9 @@ ARMS = {("qk", "fedavg"): ("FedFrozen (Q/K frozen)", "C0"),
 
 
 def panels(folder: Path) -> dict:
-    """The curves of each panel: ``{"K": [...], "lr": [...], "kernel": [...], "centre",
-    "attention", "more": {other attention: {"K": [...], "lr": [...]}}}``; a curve is
+    """The curves of each panel: ``{"K": [...], "lr": [...], "kernel": [...], "scale": [...],
+    "centre", "attention", "more": {other attention: {"K": [...], "lr": [...]}}}``
+    ("scale" empty where the study has no wider model or cross-device sweep); a curve is
     ``{"sweep", "arm", "label", "x" (T0 / T), "mean", "se", "t" (chosen T0 / T), "iid",
     "colour", "dashed"}``."""
     rows = load(folder)
@@ -122,8 +127,8 @@ def panels(folder: Path) -> dict:
                     got[axis].append(c)
         return got
 
-    out = {**axes_of(attention), "kernel": [], "centre": (k_c, lr_c), "attention": attention,
-           "more": {}}
+    out = {**axes_of(attention), "kernel": [], "scale": [], "centre": (k_c, lr_c),
+           "attention": attention, "more": {}}
     for kind in sorted(kinds - {attention}):  # the other attention's axes: a second row
         got = axes_of(kind)
         if got["K"] or got["lr"]:
@@ -139,6 +144,19 @@ def panels(folder: Path) -> dict:
         c = curve(r, f"{arm[0]}, {r['attention']}", arm[1], r["attention"] != "linear")
         if c is not None:
             out["kernel"].append(c)
+    scale = [p for p in plan["points"] if p["axis"] == "K" and p["x"] == k_c and not p["iid"]
+             and p["row"]["attention"] == attention and p["kind"] != "momentum"
+             and (p["row"].get("freeze") or "qk", p["row"].get("base") or "fedavg")
+             == ("qk", "fedavg")]
+    if any(p["kind"] != "main" for p in scale):
+        for i, p in enumerate(sorted(scale, key=lambda p: (p["kind"] != "main", p["sweep"]))):
+            r = p["row"]
+            what = (f"{r['clients_per_round']} of {r['num_clients']} clients a round"
+                    if p["kind"] == "cross-device" else f"width {r.get('model_dim')}")
+            label = f"{'main: ' if p['kind'] == 'main' else ''}{what} ({r['sweep']})"
+            c = curve(r, label, f"C{i}", False)
+            if c is not None:
+                out["scale"].append(c)
     return out
 
 
@@ -149,15 +167,22 @@ def make(folder: Path, out_dir=None) -> FigureOutput:
                           "places")
     k_c, lr_c = data["centre"]
     rows = [(data["attention"], data)] + list(data["more"].items())
-    fig, grid = new_figure(ncols=3, width=3.6, height=3.3, nrows=len(rows))
+    own_column = bool(data["scale"]) and len(rows) == 1
+    fig, grid = new_figure(ncols=4 if own_column else 3, width=3.6, height=3.3,
+                           nrows=len(rows))
     grid = [grid] if len(rows) == 1 else list(grid)
     panels_ = []
+    scale_title = f"scale and regime ({data['attention']}, K = {k_c}, lr {lr_c:g}, Dirichlet)"
     for r, (kind, got) in enumerate(rows):
         panels_ += [(grid[r][0], f"along K ({kind}, lr {lr_c:g})", got["K"]),
                     (grid[r][1], f"along the step size ({kind}, K = {k_c})", got["lr"])]
         if r == 0:
             panels_.append((grid[r][2], f"is it the kernel? (K = {k_c}, lr {lr_c:g}, "
                             "Dirichlet)", data["kernel"]))
+            if own_column:
+                panels_.append((grid[r][3], scale_title, data["scale"]))
+        elif r == 1 and data["scale"]:
+            panels_.append((grid[r][2], scale_title, data["scale"]))
         else:
             grid[r][2].axis("off")
     notes: dict = {}

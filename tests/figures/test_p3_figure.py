@@ -170,6 +170,7 @@ def test_figure_13_draws_each_settings_curve_and_the_kernel_panel(tmp_path, caps
     kernel = {(c["sweep"], c["arm"]) for c in data["kernel"]}
     assert kernel == {("lin_K10", "fedfrozen"), ("lin_K10", "control"),
                       ("lin_K10", "on_scaffold"), ("sm_K10", "fedfrozen")}
+    assert data["scale"] == []  # no wider model, no cross-device sweep
     c = next(c for c in data["K"] if c["sweep"] == "lin_K2")
     assert c["mean"][0] == pytest.approx(0.61) and c["mean"][-1] == pytest.approx(0.65)
     assert c["se"][0] == pytest.approx(0.01 / 3 ** 0.5) and c["t"] == 0.8
@@ -177,6 +178,36 @@ def test_figure_13_draws_each_settings_curve_and_the_kernel_panel(tmp_path, caps
     out = capsys.readouterr().out
     assert (tmp_path / "o" / "fig13_p3_curves.png").stat().st_size > 10_000
     assert "lin_K10/control: 0.710 at T0 = 0, 0.690 at T0 = T" in out
+
+
+def test_figure_13_draws_the_wider_model_and_the_cross_device_sweep_beside_the_main(tmp_path,
+                                                                                   capsys):
+    rows = [_row("lin_K2", 0.1, 160, 120, 200, "linear", 2, 0.2),
+            _row("lin_K10", 0.1, 160, 160, 200, "linear", 10, 0.2),
+            _row("lin_K10_iid", "natural", 160, 160, 200, "linear", 10, 0.2, partition="iid"),
+            _row("lin_K10_large", 0.1, 120, 80, 160, "linear", 10, 0.2, dim=192),
+            _row("lin_K10_xdev", 0.1, 80, 40, 120, "linear", 10, 0.2, clients=200,
+                 per_round=20),
+            _row("lin_K40_large", 0.1, 160, 160, 200, "linear", 40, 0.2, dim=192)]
+    folder = _export(tmp_path / "export", rows)
+    write_per_run_export(folder, {(r[0], "fedfrozen"): (lambda t0, b=0.01 * i: 0.5 + b
+                                                        + 0.0002 * t0)
+                                  for i, r in enumerate(rows)})
+    from figures.fig13_p3_curves import panels
+
+    data = panels(folder)
+    # the centre's Dirichlet point in one attention: the main model first, then each other
+    # kind by sweep name; IID twins and other K stay on the axes' panels
+    assert [c["sweep"] for c in data["scale"]] == ["lin_K10", "lin_K10_large", "lin_K10_xdev"]
+    assert [c["label"] for c in data["scale"]] == [
+        "main: width 64 (lin_K10)", "width 192 (lin_K10_large)",
+        "20 of 200 clients a round (lin_K10_xdev)"]
+    assert [c["t"] for c in data["scale"]] == [0.8, 0.6, 0.4]
+    # row 3: 0.5 + 0.03 at T0 = 0, seeds 0..2 adding 0.01 each: mean 0.54
+    assert data["scale"][1]["mean"][0] == pytest.approx(0.54)
+    assert main(["figure", "13", "--real-data", str(folder), "--out", str(tmp_path / "o")]) == 0
+    assert "lin_K10_large/fedfrozen: 0.540 at T0 = 0" in capsys.readouterr().out
+    assert (tmp_path / "o" / "fig13_p3_curves.png").stat().st_size > 10_000
 
 
 def test_figure_13_without_per_run_scores_exits_2_naming_the_fix(tmp_path, capsys):
