@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -130,8 +131,6 @@ STACK_PADS = ("group", "live")
 def stack_pad_mode(pad: str | None = None) -> str:
     """How an eager group pads its engine calls: ``pad``, else ``LINATTN_STACK_PAD``, else
     ``"group"``. Raises ``UserError`` naming the variable for any other value."""
-    import os
-
     mode = pad if pad is not None else os.environ.get(STACK_PAD_ENV, "group")
     if mode not in STACK_PADS:
         source = "pad" if pad is not None else STACK_PAD_ENV
@@ -531,8 +530,6 @@ def free_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
-    import os
-
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
