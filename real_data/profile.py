@@ -31,9 +31,11 @@ Phi depends on M alone, for a given run config:
 
 Training runs in float32 (float64 for a ``precision: fp64`` run), without autocast, on
 ``train.device`` unless a device is given. Several kernels train side by side (their
-parameters stacked, one ``vmap``-ed gradient per step on the same minibatch, the optimizer
-rules of :mod:`real_data.engines.optim`); a kernel's Phi does not depend on the others in its
-stack, up to floating-point round-off. The model is the plain network: an algorithm's own
+parameters stacked, one gradient step for all on the same minibatch, :func:`kernel_grads`:
+the engines' stacked forward for the ViT and the character model without dropout, else a
+``vmap``-ed gradient; the optimizer rules of :mod:`real_data.engines.optim`); a kernel's Phi
+does not depend on the others in its stack, up to floating-point round-off, and the record
+names the path (``grad_path``). The model is the plain network: an algorithm's own
 forward (FedTP's hypernetwork, FedSQ's structure) is not used.
 
 **The rule that reads Phi** (``phi_rule``). ``"min"`` (the commands' default): the validation
@@ -48,7 +50,10 @@ dataclass' default, the rule of every record without a ``phi_rule`` key): Phi is
 validation loss after the last step. The validation loss of the study's ViT turns up within
 the budgets a doubling check needs (``docs/study/phi_budget/phi_budget.md``), so the last
 step's loss has no limit to converge to; the minimum does not grow with the budget at a
-constant step size (a doubled budget's checkpoints include those of the budget). The default
+constant step size (a doubled budget's checkpoints include those of the budget), and once the
+minimum lies inside the budget, doubling leaves it where it is: Adam at a constant lr 2e-3,
+batch 2,048, 1,600 steps, read every 50, converges so on the P3 plan's linear main point
+(minima at step 850 to 1,400; ``phi_budget.md``). The default
 cadence, :data:`DEFAULT_EVAL_EVERY` = 250 steps (``steps`` when the budget is shorter), reads
 the curve about 7 times per pass over the study's 54,000 pooled samples at batch 32; on the
 study's ViT, reading the measured curves every 500, 1,000 or 2,000 steps instead moves Phi by
@@ -319,19 +324,70 @@ def load_kernel(source, qk_names: tuple[str, ...], shapes: dict[str, tuple]
     return {n: params[n].detach() for n in qk_names}, (int(rnd) if rnd is not None else None)
 
 
-def _profile_many(setup: ProfileSetup, kernels: list[tuple[str, object]], budget: Budget
-                  ) -> list[dict]:
-    """Phi of every ``(label, source)`` kernel, trained side by side: the parameters of each
-    kernel are stacked on a leading axis and one ``vmap`` of the gradient steps them all on the
-    same minibatch (the optimizer rules of :mod:`real_data.engines.optim`, torch's SGD and Adam
-    and ``clip_grad_norm_`` per kernel). A kernel's Phi does not depend on the others in its
-    stack, up to floating-point round-off; dropout masks are shared across the stack
-    (``randomness="same"``), so they too depend on the seed alone."""
-    from torch.func import functional_call, grad, vmap
+def grad_path(model, dropout: bool) -> str:
+    """How a stack of kernels takes its gradients (:func:`kernel_grads`): ``"stacked"``, the
+    stacked forward of :mod:`real_data.engines.stacked`, for the models it mirrors without
+    dropout; else ``"vmap"``."""
+    from real_data.models.char_transformer import CharTransformer
+    from real_data.models.vit import ViT
 
+    return "stacked" if not dropout and type(model) in (ViT, CharTransformer) else "vmap"
+
+
+def kernel_grads(model, qk: dict[str, torch.Tensor], path: str):
+    """``f(own, xb, yb)``: the gradient of each kernel's mean task loss on the minibatch
+    ``(xb, yb)`` with respect to its own other parameters (``own``: every parameter but Q/K,
+    ``(C, *shape)``), the kernels' Q/K ``qk`` (``(C, *shape)``) frozen.
+
+    ``"vmap"``: ``vmap`` of ``grad`` over the model's own forward (``functional_call``),
+    dropout masks shared across the stack (``randomness="same"``). ``"stacked"``: one forward
+    of every kernel's model at once (:func:`real_data.engines.stacked.stacked_forward`, the
+    kernels on the client axis, the minibatch broadcast to each) and one backward of the sum of
+    the kernels' losses, whose gradient with respect to a kernel's parameters is its own
+    loss's; the same function up to round-off (``tests/real_data/test_profile.py``), in fewer,
+    larger GEMMs."""
+    from real_data.engines.base import client_losses, task_loss
+
+    if path == "vmap":
+        from torch.func import functional_call, grad, vmap
+
+        def objective(own, kernel, xb, yb):
+            return task_loss(functional_call(model, {**own, **kernel}, (xb,)), yb)
+
+        step = vmap(grad(objective), in_dims=(0, 0, None, None), randomness="same")
+        return lambda own, xb, yb: step(own, qk, xb, yb)
+    if path != "stacked":
+        raise ConfigError(f"gradient path {path!r}: must be one of {', '.join(GRAD_PATHS)}")
+    from real_data.engines.stacked import stacked_forward
+
+    c = next(iter(qk.values())).shape[0]
+
+    def step(own, xb, yb):
+        leaves = {n: v.detach().requires_grad_(True) for n, v in own.items()}
+        with torch.enable_grad():
+            logits = stacked_forward(model, {**leaves, **qk}, frozenset([*leaves, *qk]),
+                                     xb.unsqueeze(0).expand(c, *xb.shape))
+            loss = client_losses(logits, yb.unsqueeze(0).expand(c, *yb.shape)).sum()
+            grads = torch.autograd.grad(loss, list(leaves.values()))
+        return dict(zip(leaves, grads, strict=True))
+
+    return step
+
+
+GRAD_PATHS = ("vmap", "stacked")
+
+
+def _profile_many(setup: ProfileSetup, kernels: list[tuple[str, object]], budget: Budget,
+                  path: str | None = None) -> list[dict]:
+    """Phi of every ``(label, source)`` kernel, trained side by side: the parameters of each
+    kernel are stacked on a leading axis and one gradient step (:func:`kernel_grads`, along
+    ``path``: by default :func:`grad_path`) steps them all on the same minibatch (the
+    optimizer rules of :mod:`real_data.engines.optim`, torch's SGD and Adam and
+    ``clip_grad_norm_`` per kernel). A kernel's Phi does not depend on the others in its
+    stack, up to floating-point round-off; dropout masks are shared across the stack, so they
+    too depend on the seed alone."""
     from real_data.engines import optim
-    from real_data.engines.base import OptimizerSpec, task_loss
-    from real_data.metrics import evaluate
+    from real_data.engines.base import OptimizerSpec
 
     fed, cfg = setup.fed, setup.cfg
     model = fed.model
@@ -352,14 +408,12 @@ def _profile_many(setup: ProfileSetup, kernels: list[tuple[str, object]], budget
     c = len(kernels)
     device, dtype = fed.device, next(iter(setup.init.values())).dtype
     qk = {n: torch.stack([k[n].to(device, dtype) for k, _ in loaded]) for n in setup.qk_names}
-    def objective(own, kernel, xb, yb):
-        return task_loss(functional_call(model, {**own, **kernel}, (xb,)), yb)
-
-    step_grads = vmap(grad(objective), in_dims=(0, 0, None, None), randomness="same")
+    dropout = float(getattr(cfg.model.params, "dropout", 0.0)) > 0
+    path = grad_path(model, dropout) if path is None else path
+    step_grads = kernel_grads(model, qk, path)
     total = budget.steps * (2 if budget.check else 1)
     order = batch_order(len(setup.pooled), bs, total, seed)
     index = torch.as_tensor(setup.pooled[order], device=device)
-    dropout = float(getattr(cfg.model.params, "dropout", 0.0)) > 0
     x, y = fed.x_train, fed.y_train
     devices = [device] if device.type == "cuda" else []
 
@@ -380,7 +434,7 @@ def _profile_many(setup: ProfileSetup, kernels: list[tuple[str, object]], budget
                 model.train(dropout)
                 for step in range(max(read_at)):
                     ix = index[step]
-                    grads = step_grads(own, qk, x[ix], y[ix])
+                    grads = step_grads(own, x[ix], y[ix])
                     if spec.clip_grad_norm is not None:
                         optim.clip_(grads, optim.grad_norms(grads), spec.clip_grad_norm)
                     count += 1
@@ -389,8 +443,7 @@ def _profile_many(setup: ProfileSetup, kernels: list[tuple[str, object]], budget
                     own = optim.step(step_spec, own, grads, state, count)
                     if step + 1 in reads:
                         model.eval()
-                        out[step + 1] = _evaluate_each(model, own, qk, fed, cfg, evaluate,
-                                                       functional_call)
+                        out[step + 1] = _evaluate_each(model, own, qk, fed, cfg, path)
                         if not any(np.isfinite(v) for v, _ in out[step + 1]):
                             break
                         model.train(dropout)
@@ -426,7 +479,8 @@ def _profile_many(setup: ProfileSetup, kernels: list[tuple[str, object]], budget
                "clip_grad_norm": t.clip_grad_norm, "seed": seed,
                "train_samples": int(len(setup.pooled)), "val_samples": int(len(fed.y_val)),
                "phi_doubled": None, "val_acc_doubled": None, "relative_change": None,
-               "converged": None, "stacked": c, "seconds": seconds, "device": where,
+               "converged": None, "stacked": c, "grad_path": path, "seconds": seconds,
+               "device": where,
                "phi_rule": budget.phi_rule, "eval_every": budget.eval_every,
                "phi_step": at, "val_loss_last": last, "val_acc_last": last_acc}
         if adam:
@@ -469,9 +523,19 @@ def _read(reads: dict[int, list[tuple]], checkpoints: tuple[int, ...], i: int,
     return best[1], best[2], best[0], last, last_acc, curve
 
 
-def _evaluate_each(model, train, qk, fed, cfg, evaluate, functional_call
-                   ) -> list[tuple[float, float]]:
-    """(validation loss, accuracy) of each stacked kernel's model."""
+def _evaluate_each(model, train, qk, fed, cfg, path: str) -> list[tuple[float, float]]:
+    """(validation loss, accuracy) of each stacked kernel's model: one stacked forward of
+    every kernel per minibatch along the ``"stacked"`` path
+    (:func:`real_data.metrics.evaluate_stacked`), one model at a time along ``"vmap"``."""
+    from torch.func import functional_call
+
+    from real_data.metrics import evaluate, evaluate_stacked
+
+    if path == "stacked":
+        with torch.no_grad():
+            loss, hit = evaluate_stacked(model, {**train, **qk}, fed.x_val, fed.y_val,
+                                         cfg.eval.batch_size)
+        return [(float(a), float(b)) for a, b in zip(loss.mean(1), hit.mean(1), strict=True)]
     out = []
     with torch.no_grad():
         for i in range(next(iter(qk.values())).shape[0]):

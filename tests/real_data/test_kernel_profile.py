@@ -655,6 +655,45 @@ def test_stacked_kernels_track_the_minimum_each(run64):
     assert steps[0] != steps[1]  # the two minima lie at different steps
 
 
+def test_the_stacked_and_vmap_gradient_paths_agree(run64):
+    """The two gradient paths of a kernel stack (kernel_grads) are one function: in float64
+    their gradients agree to 1e-12 and a whole min-rule Phi with its check to 1e-10; a model
+    the stacked forward mirrors takes the stacked path unless it trains with dropout."""
+    from real_data.profile import _profile_many, grad_path, kernel_grads
+
+    setup = run_setup(run64)
+    model = setup.fed.model
+    assert grad_path(model, dropout=False) == "stacked"
+    assert grad_path(model, dropout=True) == "vmap"
+    own = torch.load(run64 / "checkpoints" / "round_3.pt", weights_only=False)["global_params"]
+    gen = torch.Generator().manual_seed(1)
+    qk = {n: torch.stack([own[n], own[n] + torch.randn(own[n].shape, generator=gen,
+                                                        dtype=own[n].dtype)])
+          for n in setup.qk_names}
+    rest = {n: torch.stack([p, p + 0.1 * torch.randn(p.shape, generator=gen, dtype=p.dtype)])
+            for n, p in setup.init.items() if n not in setup.qk_names}
+    ix = torch.as_tensor(setup.pooled[:16])
+    xb, yb = setup.fed.x_train[ix], setup.fed.y_train[ix]
+    a = kernel_grads(model, qk, "vmap")(rest, xb, yb)
+    b = kernel_grads(model, qk, "stacked")(rest, xb, yb)
+    assert set(a) == set(b) == set(rest)
+    for n in a:
+        assert a[n].dtype == torch.float64 and a[n].shape == rest[n].shape
+        assert torch.allclose(a[n], b[n], rtol=1e-12, atol=1e-12), n
+    snap = run64 / "checkpoints" / "round_3.pt"
+    budget = Budget(STEPS, lr=0.02, optimizer="adam", phi_rule="min", eval_every=EVERY)
+    kernels = [("a", snap), ("b", run64 / "checkpoints" / "round_0.pt")]
+    via = {p: _profile_many(setup, kernels, budget, path=p) for p in ("vmap", "stacked")}
+    for r, s in zip(via["vmap"], via["stacked"], strict=True):
+        assert r["grad_path"] == "vmap" and s["grad_path"] == "stacked"
+        for key in ("phi", "phi_doubled", "val_loss_last"):
+            assert s[key] == pytest.approx(r[key], rel=1e-10, abs=1e-10), key
+        assert s["phi_step"] == r["phi_step"] and s["val_acc"] == r["val_acc"]
+    assert setup.phi(snap, budget)["grad_path"] == "stacked"  # the default for this ViT
+    with pytest.raises(ConfigError, match="gradient path"):
+        kernel_grads(model, qk, "loop")
+
+
 def test_the_rule_and_cadence_are_in_the_budget_and_its_key():
     assert Budget().phi_rule == "last" and Budget().eval_every is None
     assert Budget(STEPS).tag() == f"steps{STEPS}"  # old caches keep their names
