@@ -323,8 +323,9 @@ def _study(argv: list[str]) -> int:
                     "Phi(M_ref,T0) - Phi_best, drift(T0) = Phi(M_T0) - Phi(M_ref,T0) for each "
                     "reference arm; Phi_best: the pooled single-client reference's kernel at "
                     "its last snapshot) and t0_choice.{csv,md}; each Phi is cached under "
-                    "out_dir/profiles, so a killed call resumes; --slice keeps the (sweep, alpha, "
-                    "seed) cells one of whose runs it matches, --shard k/n takes every n-th "
+                    "out_dir/profiles, and a stack's progress every 60 s beside it, so a killed "
+                    "call resumes; --slice keeps the (sweep, alpha, seed) cells one of whose "
+                    "runs it matches, --shard k/n takes every n-th "
                     "cell (every n-th kernel of each cell with --profile-split kernels), "
                     "--deadline starts no new cell after SECONDS, "
                     "--aggregate-only only reads the cache")
@@ -667,7 +668,10 @@ def _profile(argv: list[str]) -> int:
                     help="kernels trained side by side in one vmap-ed step (default 32; the "
                     "results do not depend on it beyond round-off)")
     ap.add_argument("--json", type=Path, metavar="OUT",
-                    help="write the results (one object per kernel) to this JSON file")
+                    help="write the results (one object per kernel) to this JSON file; while "
+                    "a stack trains, its progress is saved beside it every 60 s "
+                    "(partial_<digest>.pt, removed at the end), so a killed call given the same "
+                    "arguments resumes where it was")
     args = ap.parse_args(argv)
     from linattn.errors import UserError
     from linattn.fileio import atomic_write_text
@@ -691,7 +695,8 @@ def _profile(argv: list[str]) -> int:
     if args.stack < 1:
         raise UserError(f"--stack {args.stack}: must be >= 1")
     setup = run_setup(args.run, args.device)
-    results = setup.phi_many([(str(path), path) for _, path in kernels], budget, args.stack)
+    results = setup.phi_many([(str(path), path) for _, path in kernels], budget, args.stack,
+                             partial_dir=None if args.json is None else args.json.parent)
     for (label, _), r in zip(kernels, results, strict=True):
         check = ("" if r["relative_change"] is None else
                  f", 2N: {r['phi_doubled']:.4f} (change {100 * r['relative_change']:.2f}%"

@@ -74,11 +74,21 @@ is reported as such, never dropped.
 ``linattn profile --run RUN_DIR --rounds 0,20,50`` evaluates Phi at a run's warm-up snapshots
 ``checkpoints/round_<t>.pt``; ``--kernel FILE`` at any checkpoint (another run's, e.g. a
 drift-free reference's) under this run's config.
+
+**A killed call resumes.** With a place to keep it (``linattn profile --json OUT``: OUT's
+folder; ``linattn study --profile``: the cell's cache folder), a stack saves its progress every
+:data:`SAVE_EVERY` seconds and after each training (``partial_<digest>.pt``: the parameters,
+the optimizer's state, the step, the reads so far and the random state), and the same call
+started again resumes it: the same minibatches from the saved step on, so the records equal an
+uninterrupted stack's (``tests/real_data/test_kernel_profile.py``, to the bit on the CPU).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import os
 import platform
 import time
 from dataclasses import dataclass
@@ -239,14 +249,20 @@ class ProfileSetup:
         return _profile_many(self, [(label, kernel)], budget)[0]
 
     def phi_many(self, kernels: list[tuple[str, object]], budget: Budget,
-                 stack: int = 32) -> list[dict]:
+                 stack: int = 32, partial_dir: Path | None = None) -> list[dict]:
         """Phi of every ``(label, kernel)``, ``stack`` kernels trained side by side at a
-        time (:func:`_profile_many`)."""
+        time (:func:`_profile_many`); with ``partial_dir``, each stack saves its progress
+        there (:func:`partial_file`) and a killed call's stack resumes."""
         if stack < 1:
             raise ConfigError(f"--stack {stack}: must be >= 1")
         out = []
         for i in range(0, len(kernels), stack):
-            out += _profile_many(self, kernels[i:i + stack], budget)
+            chunk = kernels[i:i + stack]
+            partial = None
+            if partial_dir is not None:
+                Path(partial_dir).mkdir(parents=True, exist_ok=True)
+                partial = partial_file(partial_dir, chunk, budget)
+            out += _profile_many(self, chunk, budget, partial=partial)
         return out
 
 
@@ -377,15 +393,71 @@ def kernel_grads(model, qk: dict[str, torch.Tensor], path: str):
 GRAD_PATHS = ("vmap", "stacked")
 
 
+class ProfileHalted(RuntimeError):
+    """Raised by a training told to stop at a step (``halt_at``), after saving its progress:
+    what a killed process leaves behind, for the resume tests."""
+
+
+def _partial_key(kernels, budget: Budget, path: str, c: int, dtype, device) -> dict:
+    """What a saved stack must match to be resumed: its kernels (labels and sources), budget,
+    gradient path, size, dtype and device type."""
+    return {"kernels": [[str(label), str(src) if not isinstance(src, dict) else
+                         sorted(src)] for label, src in kernels],
+            "budget": dataclasses.asdict(budget), "path": path, "stack": c,
+            "dtype": str(dtype), "device": device.type}
+
+
+def _load_partial(partial: Path | None, key: dict) -> dict | None:
+    """The progress saved at ``partial`` when it belongs to this stack (``key``), else None
+    (a file of another stack, or unreadable, is replaced when this stack saves)."""
+    if partial is None or not partial.is_file():
+        return None
+    try:
+        payload = torch.load(partial, map_location="cpu", weights_only=False)
+    except Exception:  # noqa: BLE001 - a truncated file: start over
+        return None
+    if not isinstance(payload, dict) or payload.get("key") != key:
+        return None
+    return payload
+
+
+def partial_file(folder: Path, kernels: list[tuple[str, object]], budget: Budget) -> Path:
+    """Where a stack of ``kernels`` saves its progress under ``budget`` in ``folder``: a name
+    of its own per stack (a digest of the kernels' sources and the budget's tag)."""
+    text = json.dumps([budget.tag(), [str(s) if not isinstance(s, dict) else sorted(s)
+                                      for _, s in kernels]])
+    return Path(folder) / f"partial_{hashlib.sha256(text.encode()).hexdigest()[:16]}.pt"
+
+
+def _to_device(obj, device):
+    """``obj`` (tensors in dicts) with every tensor on ``device``."""
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    return obj.to(device) if isinstance(obj, torch.Tensor) else obj
+
+
+SAVE_EVERY = 60.0  # seconds of training between saves of a stack's progress
+
+
 def _profile_many(setup: ProfileSetup, kernels: list[tuple[str, object]], budget: Budget,
-                  path: str | None = None) -> list[dict]:
+                  path: str | None = None, partial: Path | None = None,
+                  save_every: float = SAVE_EVERY, halt_at: int | None = None) -> list[dict]:
     """Phi of every ``(label, source)`` kernel, trained side by side: the parameters of each
     kernel are stacked on a leading axis and one gradient step (:func:`kernel_grads`, along
     ``path``: by default :func:`grad_path`) steps them all on the same minibatch (the
     optimizer rules of :mod:`real_data.engines.optim`, torch's SGD and Adam and
     ``clip_grad_norm_`` per kernel). A kernel's Phi does not depend on the others in its
     stack, up to floating-point round-off; dropout masks are shared across the stack, so they
-    too depend on the seed alone."""
+    too depend on the seed alone.
+
+    ``partial`` (a file path, e.g. :func:`partial_file`): the stack's progress is saved there
+    every ``save_every`` seconds (the parameters, the optimizer's state, the step, the reads so
+    far and the random state) and at the end of each training, and a call that finds this
+    stack's file resumes from it: a killed call loses at most ``save_every`` seconds, and the
+    resumed stack ends with the records of an uninterrupted one (the same minibatches, state
+    and random numbers from the saved step on). The file is removed when the stack ends;
+    ``seconds`` counts the time of every call. ``halt_at``: save at that step and raise
+    :class:`ProfileHalted` (what a kill leaves, for tests)."""
     from real_data.engines import optim
     from real_data.engines.base import OptimizerSpec
 
@@ -417,22 +489,64 @@ def _profile_many(setup: ProfileSetup, kernels: list[tuple[str, object]], budget
     x, y = fed.x_train, fed.y_train
     devices = [device] if device.type == "cuda" else []
 
+    key = _partial_key(kernels, budget, path, c, dtype, device)
+    saved = _load_partial(partial, key)
+    done: dict[int, dict] = saved["done"] if saved else {}  # horizon -> its finished reads
+    elapsed = saved["seconds"] if saved else 0.0
+
+    def save(horizon: int, step: int | None = None, own=None, state=None, count=None,
+             out=None) -> None:
+        """Write the stack's progress to ``partial`` (atomically): the finished trainings'
+        reads and, mid-training, the state after ``step`` steps."""
+        payload = {"key": key, "done": done, "seconds": elapsed + time.perf_counter() - start,
+                   "current": None}
+        if step is not None:
+            payload["current"] = {
+                "horizon": horizon, "step": step, "own": own, "state": state, "count": count,
+                "out": out, "rng": torch.random.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state(device) if devices else None}
+        tmp = partial.with_name(partial.name + ".tmp")
+        torch.save(payload, tmp)
+        os.replace(tmp, partial)
+
     def train_and_read(horizon: int, read_at: tuple[int, ...]) -> dict[int, list[tuple]]:
         """Train every kernel's other parameters from the start for ``max(read_at)`` steps
         (the schedule spread over ``horizon``) and evaluate at each step in ``read_at``:
         ``{step: [(loss, acc) per kernel]}``, ending early (fewer steps) once every kernel's
-        loss is non-finite."""
-        own = {n: p.to(device).unsqueeze(0).repeat(c, *([1] * p.dim()))
-               for n, p in setup.init.items() if n not in frozen}
-        state = optim.init_state(spec, own)
-        count = torch.zeros(c, dtype=torch.int64, device=device)
-        out: dict[int, list[tuple]] = {}
+        loss is non-finite. With ``partial``, a training finished before is read back, one
+        interrupted resumes from its last saved step, and the progress is saved every
+        ``save_every`` seconds."""
+        if horizon in done:
+            return done[horizon]
+        now = saved["current"] if saved and saved["current"] \
+            and saved["current"]["horizon"] == horizon else None
+        if now is None:
+            own = {n: p.to(device).unsqueeze(0).repeat(c, *([1] * p.dim()))
+                   for n, p in setup.init.items() if n not in frozen}
+            state = optim.init_state(spec, own)
+            count = torch.zeros(c, dtype=torch.int64, device=device)
+            out: dict[int, list[tuple]] = {}
+            first = 0
+        else:
+            own, state, count = (_to_device(now[k], device) for k in ("own", "state", "count"))
+            out, first = now["out"], now["step"]
         reads = set(read_at)
+        last_save = time.perf_counter()
         try:
             with torch.random.fork_rng(devices=devices):
                 torch.manual_seed(seed)
+                if now is not None:
+                    torch.random.set_rng_state(now["rng"])
+                    if devices and now["cuda_rng"] is not None:
+                        torch.cuda.set_rng_state(now["cuda_rng"], device)
                 model.train(dropout)
-                for step in range(max(read_at)):
+                for step in range(first, max(read_at)):
+                    if partial is not None and (
+                            time.perf_counter() - last_save >= save_every or step == halt_at):
+                        save(horizon, step, own, state, count, out)
+                        last_save = time.perf_counter()
+                        if step == halt_at:
+                            raise ProfileHalted(f"halted at step {step} (saved)")
                     ix = index[step]
                     grads = step_grads(own, x[ix], y[ix])
                     if spec.clip_grad_norm is not None:
@@ -449,6 +563,9 @@ def _profile_many(setup: ProfileSetup, kernels: list[tuple[str, object]], budget
                         model.train(dropout)
         finally:
             model.eval()
+        done[horizon] = out
+        if partial is not None:
+            save(horizon)
         return out
 
     start = time.perf_counter()
@@ -464,7 +581,9 @@ def _profile_many(setup: ProfileSetup, kernels: list[tuple[str, object]], budget
         if budget.check and any(np.isfinite(_read(reads, first, i, budget)[0])
                                 for i in range(c)):
             doubled = train_and_read(2 * n, second)
-    seconds = (time.perf_counter() - start) / c
+    seconds = (elapsed + time.perf_counter() - start) / c
+    if partial is not None:
+        partial.unlink(missing_ok=True)
     # what ``seconds`` (wall time per kernel, the stack's share) was measured on
     where = {"type": device.type, "name": torch.cuda.get_device_name(device)
              if device.type == "cuda" else platform.machine()}

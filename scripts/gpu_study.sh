@@ -31,6 +31,9 @@
 # SECONDS, the workers getting the rest; a process starts no new cell after half its time. The
 # cache of every Phi computed goes to OUTDIR/profiles.tar.gz: unpack it into the plan's out_dir
 # and run `linattn study --plan P --profile PROFILE_ARGS --aggregate-only` for the tables.
+# A stack the limit kills leaves its progress (partial_<digest>.pt, saved every 60 s) in that
+# cache, so the archive carries it too: unpacked into the plan's out_dir on the next machine,
+# the same PROFILE_ARGS resume the stack where it was.
 # With "--profile-split kernels" in PROFILE_ARGS the GPUs share every cell instead (each the
 # k-th of every ngpu kernels): for fewer cells than GPUs, or a budget one GPU cannot end in time.
 # A cell is profiled from the snapshots on this machine, so its runs train here first.

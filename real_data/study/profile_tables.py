@@ -160,7 +160,8 @@ def profile_plan(plan: Plan, budget, log=print, device: str | None = None,
                 and p.is_file()]
         if compute and todo and not late and (cell["run_dir"] / "config.yaml").is_file():
             setup = run_setup(cell["run_dir"], device)
-            results = setup.phi_many([(str(p), p) for *_, p in todo], budget, stack)
+            results = setup.phi_many([(str(p), p) for *_, p in todo], budget, stack,
+                                     partial_dir=cell["cache"])
             for (kind, arm, t, _), res in zip(todo, results, strict=True):
                 cache = _cache_file(cell, kind, arm, t, budget)
                 cache.parent.mkdir(parents=True, exist_ok=True)

@@ -694,6 +694,84 @@ def test_the_stacked_and_vmap_gradient_paths_agree(run64):
         kernel_grads(model, qk, "loop")
 
 
+@pytest.mark.parametrize("schedule,halt", [("constant", 17), ("cosine", 2 * STEPS - 7)])
+def test_a_killed_stack_resumes_to_the_records_of_an_uninterrupted_one(run64, tmp_path,
+                                                                       schedule, halt,
+                                                                       monkeypatch):
+    """A stack saves its progress (the partial file) and a later call resumes it: halted
+    mid-training (the constant budget's one training; the cosine's second, its first already
+    finished), the resumed call takes only the steps left, its records equal the
+    uninterrupted stack's to the bit, the partial file is gone, and a file of another stack
+    is not resumed."""
+    import real_data.profile as prof
+    from real_data.profile import ProfileHalted, _profile_many, partial_file
+
+    steps = []
+    real = prof.kernel_grads
+
+    def counting(*a, **kw):
+        f = real(*a, **kw)
+
+        def g(*b):
+            steps.append(1)
+            return f(*b)
+        return g
+
+    monkeypatch.setattr(prof, "kernel_grads", counting)
+    setup = run_setup(run64)
+    kernels = [("a", run64 / "checkpoints" / "round_3.pt"),
+               ("b", run64 / "checkpoints" / "round_0.pt")]
+    budget = Budget(STEPS, lr=0.02, optimizer="adam", schedule=schedule, phi_rule="min",
+                    eval_every=EVERY)
+    whole = _profile_many(setup, kernels, budget)
+    part = partial_file(tmp_path, kernels, budget)
+    with pytest.raises(ProfileHalted):
+        _profile_many(setup, kernels, budget, partial=part, halt_at=halt)
+    saved = torch.load(part, weights_only=False)
+    assert saved["current"]["step"] == halt
+    assert list(saved["done"]) == ([STEPS] if schedule == "cosine" else [])
+    other = partial_file(tmp_path, kernels[:1], budget)
+    assert other != part
+    part.rename(other)  # another stack's progress: not resumed, replaced
+    alone = _profile_many(setup, kernels[:1], budget, partial=other)
+    assert alone[0]["phi"] == pytest.approx(whole[0]["phi"], rel=1e-10)
+    with pytest.raises(ProfileHalted):
+        _profile_many(setup, kernels, budget, partial=part, halt_at=halt)
+    steps.clear()
+    resumed = _profile_many(setup, kernels, budget, partial=part, save_every=0.0)
+    assert len(steps) == 2 * STEPS - halt  # the last training's steps from the saved one on
+    assert not part.is_file() and not other.is_file()
+    for a, b in zip(whole, resumed, strict=True):
+        assert {k: v for k, v in a.items() if k != "seconds"} == \
+            {k: v for k, v in b.items() if k != "seconds"}
+        assert b["seconds"] > 0
+
+
+def test_the_profile_command_resumes_beside_its_json(run_dir, tmp_path, monkeypatch):
+    """`linattn profile --json OUT` keeps a stack's progress beside OUT while it trains and
+    removes it at the end; the JSON equals a run without one."""
+    import real_data.profile as prof
+
+    seen = []
+    real = prof._profile_many
+
+    def spy(*a, **kw):
+        seen.append(kw.get("partial"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(prof, "_profile_many", spy)
+    out = tmp_path / "phi.json"
+    args = ["profile", "--run", str(run_dir), "--rounds", "0,3", "--steps", "6",
+            "--optimizer", "adam", "--json", str(out)]
+    assert linattn_main(args) == 0
+    assert seen and seen[0] is not None and seen[0].parent == tmp_path
+    assert not list(tmp_path.glob("partial_*"))
+    first = json.loads(out.read_text())["kernels"]
+    assert linattn_main([*args[:-1], str(tmp_path / "again.json")]) == 0
+    again = json.loads((tmp_path / "again.json").read_text())["kernels"]
+    assert [r["phi"] for r in first] == [r["phi"] for r in again]
+
+
 def test_the_rule_and_cadence_are_in_the_budget_and_its_key():
     assert Budget().phi_rule == "last" and Budget().eval_every is None
     assert Budget(STEPS).tag() == f"steps{STEPS}"  # old caches keep their names
