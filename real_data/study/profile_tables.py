@@ -124,7 +124,8 @@ def _cache_file(cell: dict, kind: str, arm: str, t: int, budget) -> Path:
 def profile_plan(plan: Plan, budget, log=print, device: str | None = None,
                  shard: tuple[int, int] | None = None, deadline_s: float | None = None,
                  compute: bool = True, stack: int = 32,
-                 pattern: list[str] | None = None, split: str = "cells") -> list[dict]:
+                 pattern: list[str] | None = None, split: str = "cells",
+                 rounds: tuple[int, ...] | None = None) -> list[dict]:
     """Phi at every kernel of every cell (``shard=(k, n)``: the k-th of every n cells, or with
     ``split="kernels"`` the k-th of every n kernels of each cell, so that n processes share
     each cell: fewer kernels a stack, for cells fewer than the processes or a budget too long
@@ -132,6 +133,8 @@ def profile_plan(plan: Plan, budget, log=print, device: str | None = None,
     read); a cell's missing kernels train side by side, ``stack`` at a time. ``deadline_s``:
     start no new cell after this many seconds. ``pattern``: globs over the run keys
     (``--slice``); a cell is kept when one of its runs matches (UserError when none is).
+    ``rounds`` (``--profile-rounds``): only the kernels of these T0 (and Phi_best's kernel,
+    always), a cheaper profile of fewer T0; UserError when one is in no cell's T0 grid.
     Returns one record per kernel found (missing snapshots are logged and left out)."""
     from real_data.profile import run_setup
 
@@ -147,6 +150,19 @@ def profile_plan(plan: Plan, budget, log=print, device: str | None = None,
                 "e.g. <sweep>/fedfrozen-T0=200/alpha=0.1/seed=0) and its reference arms")
     if split not in SPLITS:
         raise UserError(f"--profile-split {split!r}: one of {', '.join(SPLITS)}")
+    if rounds is not None:
+        grid = sorted({t for c in cells for _, _, t, _ in c["kernels"]})
+        bad = [t for t in rounds if t not in grid]
+        if bad or not rounds:
+            raise UserError(f"--profile-rounds {','.join(map(str, rounds))}: "
+                            f"{'round ' + str(bad[0]) + ' is' if bad else 'no round is'} "
+                            f"not a T0 of the plan's cells; give rounds of {grid}")
+
+    def kept(cell: dict) -> list[tuple]:
+        """The cell's kernels this call profiles (``rounds``, with Phi_best's always)."""
+        return [e for e in cell["kernels"] if rounds is None or e[2] in rounds
+                or (e[0] == "ref" and (e[1], e[2]) == tuple(cell["best"]))]
+
     if shard is not None and split == "cells":
         cells = cells[shard[0]::shard[1]]
     mine = (lambda i: True) if shard is None or split == "cells" else \
@@ -155,7 +171,7 @@ def profile_plan(plan: Plan, budget, log=print, device: str | None = None,
     records = []
     for cell in cells:
         late = deadline_s is not None and time.perf_counter() - start > deadline_s
-        todo = [(k, a, t, p) for i, (k, a, t, p) in enumerate(cell["kernels"])
+        todo = [(k, a, t, p) for i, (k, a, t, p) in enumerate(kept(cell))
                 if mine(i) and not _cache_file(cell, k, a, t, budget).is_file()
                 and p.is_file()]
         if compute and todo and not late and (cell["run_dir"] / "config.yaml").is_file():
@@ -170,7 +186,7 @@ def profile_plan(plan: Plan, budget, log=print, device: str | None = None,
                     f"{cell['seed']} {kind} {arm} round {t}: Phi {res['phi']:.4f}"
                     + ("" if res["relative_change"] is None else
                        f" (2N change {100 * res['relative_change']:.2f}%)"))
-        for i, (kind, arm, t, path) in enumerate(cell["kernels"]):
+        for i, (kind, arm, t, path) in enumerate(kept(cell)):
             cache = _cache_file(cell, kind, arm, t, budget)
             if cache.is_file():
                 res = json.loads(cache.read_text())

@@ -312,6 +312,24 @@ def test_bias_and_drift_of_a_tiny_plan(tmp_path):
     assert linattn_main(["study", "--plan", str(path), "--out", str(tmp_path / "out"),
                          "--profile", "--profile-steps", "20", "--aggregate-only"]) == 0
     assert (tmp_path / "out" / "tables" / "kernel_profile.md").is_file()
+    # --profile-rounds: the kernels of those T0 and Phi_best's (the pooled reference at 3)
+    fewer = study.load_plan(path, tmp_path / "fewer")
+    with tarfile.open(archive) as tar:
+        tar.extractall(fewer.out_dir, filter="data")
+    some = study.profile_plan(fewer, budget, log=lambda *_: None, rounds=(0,))
+    assert sorted((r["kind"], r["arm"], r["round"]) for r in some) == sorted(
+        [k for k in kernels if k[2] == 0] + [("ref", "reference", 3)])
+    by = {(r["kind"], r["arm"], r["round"]): r["phi"] for r in records}
+    for r in some:
+        assert r["phi"] == pytest.approx(by[(r["kind"], r["arm"], r["round"])], rel=1e-6)
+    part = study.bias_drift(some)
+    assert [r["warmup_rounds"] for r in part] == [0, 0]  # T0 = 0 against both references
+    for bad in ("1", "0,x"):
+        assert linattn_main(["study", "--plan", str(path), "--out", str(tmp_path / "fewer"),
+                             "--profile", "--profile-steps", "20", "--profile-rounds", bad,
+                             "--aggregate-only"]) == 2
+    assert linattn_main(["study", "--plan", str(path), "--out", str(tmp_path / "fewer"),
+                         "--profile-rounds", "0"]) == 2  # only with --profile
 
 
 def test_bias_drift_arithmetic_on_synthetic_records():
