@@ -612,6 +612,10 @@ def _budget_options(ap, prefix: str, lead: str, whose: str) -> None:
                     "train.optimizer, train.momentum, train.weight_decay) or adam "
                     "(torch.optim.Adam, betas 0.9/0.999, eps 1e-8, the run's weight decay); "
                     "both clip as the run does (train.clip_grad_norm); default run")
+    ap.add_argument(f"{prefix}precision", default="fp32",
+                    help=f"{lead}the training's arithmetic on a float32 run: fp32, tf32 (TF32 "
+                    "matmuls on CUDA) or bf16 (gradients under bf16 autocast, float32 "
+                    "parameters); the validation loss is read in float32; default fp32")
     ap.add_argument(f"{prefix}phi-rule", default=None, metavar="RULE",
                     help=f"{lead}how Phi is read: min (the minimum of the validation loss over "
                     f"the budget, evaluated every {prefix}eval-every steps: early stopping on "
@@ -634,7 +638,8 @@ def _budget(args, prefix: str, seed: int | None = None):
                   schedule=getattr(args, f"{prefix}schedule"),
                   optimizer=getattr(args, f"{prefix}optimizer"),
                   phi_rule=COMMAND_PHI_RULE if rule is None else rule,
-                  eval_every=getattr(args, f"{prefix}eval_every"))
+                  eval_every=getattr(args, f"{prefix}eval_every"),
+                  precision=getattr(args, f"{prefix}precision"))
 
 
 COMMAND_PHI_RULE = "min"  # the commands' rule when --phi-rule is not given

@@ -104,6 +104,7 @@ TOLERANCE = 0.01  # the doubled-budget check: relative change of Phi below 1%
 DEFAULT_STEPS = 4000
 SCHEDULES = ("constant", "cosine")
 OPTIMIZERS = ("run", "adam")
+PRECISIONS = ("fp32", "tf32", "bf16")  # the training's arithmetic (Budget.precision)
 ADAM_LR = 1e-3  # Adam's step size when the budget names none
 PHI_RULES = ("min", "last")
 DEFAULT_EVAL_EVERY = 250  # the min rule's cadence when the budget names none (module docstring)
@@ -138,6 +139,11 @@ class Budget:
         (``"last"``, this class' default, so that a ``Budget`` built without the field reads
         and caches as it always did), or its minimum over the checkpoints every
         ``eval_every`` steps (``"min"``, the commands' default).
+    precision : {"fp32", "tf32", "bf16"}
+        The training's arithmetic on a float32 run: float32 (the default), float32 with
+        TF32 matmuls on CUDA (``torch.backends.cuda.matmul.allow_tf32``), or the gradients
+        under bf16 autocast (float32 parameters and optimizer state). The validation loss is
+        always read in float32. A float64 run takes ``"fp32"`` only (its own precision).
     eval_every : int or None
         The ``"min"`` rule's cadence: ``None`` gives :data:`DEFAULT_EVAL_EVERY`, or ``steps``
         when the budget is shorter; a given value must lie in 1 .. ``steps``. Only with
@@ -153,6 +159,7 @@ class Budget:
     optimizer: str = "run"
     phi_rule: str = "last"
     eval_every: int | None = None
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
@@ -166,6 +173,9 @@ class Budget:
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"--schedule (--profile-schedule) {self.schedule!r}: must be one "
                               f"of {', '.join(SCHEDULES)}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"--precision (--profile-precision) {self.precision!r}: must be "
+                              f"one of {', '.join(PRECISIONS)}")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"--optimizer (--profile-optimizer) {self.optimizer!r}: must be "
                               f"one of {', '.join(OPTIMIZERS)}")
@@ -214,6 +224,8 @@ class Budget:
             parts.append(self.schedule)
         if self.optimizer != "run":
             parts.append(self.optimizer)
+        if self.precision != "fp32":
+            parts.append(self.precision)
         if self.phi_rule != "last":  # the last rule keeps the key its records always had
             parts.append(f"{self.phi_rule}{self.eval_every}")
         return "_".join(parts)
@@ -482,7 +494,17 @@ def _profile_many(setup: ProfileSetup, kernels: list[tuple[str, object]], budget
     qk = {n: torch.stack([k[n].to(device, dtype) for k, _ in loaded]) for n in setup.qk_names}
     dropout = float(getattr(cfg.model.params, "dropout", 0.0)) > 0
     path = grad_path(model, dropout) if path is None else path
+    if budget.precision != "fp32" and dtype != torch.float32:
+        raise ConfigError(f"--precision (--profile-precision) {budget.precision}: the run "
+                          f"trains in {str(dtype).removeprefix('torch.')}; give fp32 (a "
+                          "float64 run's Phi keeps its own precision)")
     step_grads = kernel_grads(model, qk, path)
+    if budget.precision == "bf16":
+        plain = step_grads
+
+        def step_grads(own, xb, yb):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                return plain(own, xb, yb)
     total = budget.steps * (2 if budget.check else 1)
     order = batch_order(len(setup.pooled), bs, total, seed)
     index = torch.as_tensor(setup.pooled[order], device=device)
@@ -532,7 +554,9 @@ def _profile_many(setup: ProfileSetup, kernels: list[tuple[str, object]], budget
             out, first = now["out"], now["step"]
         reads = set(read_at)
         last_save = time.perf_counter()
+        tf32 = torch.backends.cuda.matmul.allow_tf32
         try:
+            torch.backends.cuda.matmul.allow_tf32 = budget.precision == "tf32"
             with torch.random.fork_rng(devices=devices):
                 torch.manual_seed(seed)
                 if now is not None:
@@ -557,12 +581,15 @@ def _profile_many(setup: ProfileSetup, kernels: list[tuple[str, object]], budget
                     own = optim.step(step_spec, own, grads, state, count)
                     if step + 1 in reads:
                         model.eval()
+                        torch.backends.cuda.matmul.allow_tf32 = False  # read in float32
                         out[step + 1] = _evaluate_each(model, own, qk, fed, cfg, path)
+                        torch.backends.cuda.matmul.allow_tf32 = budget.precision == "tf32"
                         if not any(np.isfinite(v) for v, _ in out[step + 1]):
                             break
                         model.train(dropout)
         finally:
             model.eval()
+            torch.backends.cuda.matmul.allow_tf32 = tf32
         done[horizon] = out
         if partial is not None:
             save(horizon)
@@ -601,6 +628,7 @@ def _profile_many(setup: ProfileSetup, kernels: list[tuple[str, object]], budget
                "converged": None, "stacked": c, "grad_path": path, "seconds": seconds,
                "device": where,
                "phi_rule": budget.phi_rule, "eval_every": budget.eval_every,
+               "precision": budget.precision,
                "phi_step": at, "val_loss_last": last, "val_acc_last": last_acc}
         if adam:
             rec.update(betas=list(spec.betas), eps=spec.eps)

@@ -790,6 +790,36 @@ def test_the_profile_command_resumes_beside_its_json(run_dir, tmp_path, monkeypa
     assert [r["phi"] for r in first] == [r["phi"] for r in again]
 
 
+def test_the_training_precision_is_in_the_budget_its_key_and_the_record(run_dir, run64,
+                                                                        tmp_path, capsys):
+    """--precision: bf16 autocast trains the same Phi within bf16's round-off on a float32
+    run (read in float32), TF32 changes nothing on the CPU, the budget's key names a
+    precision other than fp32, and a float64 run or an unknown precision is refused (exit 2,
+    nothing written)."""
+    setup = run_setup(run_dir)
+    snap = run_dir / "checkpoints" / "round_3.pt"
+    base = dict(lr=0.02, optimizer="adam", phi_rule="min", eval_every=EVERY)
+    fp32 = setup.phi(snap, Budget(STEPS, **base))
+    bf16 = setup.phi(snap, Budget(STEPS, precision="bf16", **base))
+    tf32 = setup.phi(snap, Budget(STEPS, precision="tf32", **base))
+    assert fp32["precision"] == "fp32" and bf16["precision"] == "bf16"
+    assert bf16["phi"] != fp32["phi"]  # the autocast did run
+    assert bf16["phi"] == pytest.approx(fp32["phi"], rel=0.02)
+    assert bf16["phi_doubled"] == pytest.approx(fp32["phi_doubled"], rel=0.02)
+    assert tf32["phi"] == fp32["phi"] and tf32["phi_doubled"] == fp32["phi_doubled"]
+    assert Budget(STEPS, **base).tag() == f"steps{STEPS}_lr0.02_adam_min{EVERY}"
+    assert Budget(STEPS, precision="bf16", **base).tag().endswith("_adam_bf16_min7")
+    with pytest.raises(ConfigError, match="trains in float64"):
+        run_setup(run64).phi(snap, Budget(STEPS, precision="bf16", **base))
+    out = tmp_path / "phi.json"
+    for bad in (["--precision", "fp8"], ["--precision", "bf16"]):
+        run = run64 if bad[1] == "bf16" else run_dir
+        assert linattn_main(["profile", "--run", str(run), "--rounds", "3", "--steps", "5",
+                             *bad, "--json", str(out)]) == 2
+        assert "--precision" in capsys.readouterr().err and not out.exists()
+    assert not list(tmp_path.iterdir())
+
+
 def test_the_rule_and_cadence_are_in_the_budget_and_its_key():
     assert Budget().phi_rule == "last" and Budget().eval_every is None
     assert Budget(STEPS).tag() == f"steps{STEPS}"  # old caches keep their names
