@@ -4,7 +4,8 @@ Phi(M) trains every parameter but Q/K of a stack of C kernels on one minibatch p
 (:func:`real_data.profile.kernel_grads`). Rows: the gradient path (``vmap``: ``vmap`` of
 ``grad`` over the model's own forward; ``stacked``: the engines' stacked forward, one backward
 of the summed losses), the stack size C, the batch B and the matmul precision (``fp32``;
-``tf32``: ``torch.backends.cuda.matmul.allow_tf32``, CUDA only), each timing one whole step
+``tf32``: ``torch.backends.cuda.matmul.allow_tf32``, CUDA only; ``bf16``: the gradients under
+bf16 autocast, as ``linattn profile --precision``), each timing one whole step
 (gradients, per-kernel clipping, the Adam update) as the median of ``--steps`` steps after
 ``--warmup`` untimed ones (CUDA synchronized), and one evaluation of the validation split for
 the stack (``_evaluate_each``). Throughput is samples a second (C B per step) and TFLOP/s:
@@ -49,7 +50,8 @@ def _kernels(run: Path, setup, c: int, device, dtype) -> dict[str, torch.Tensor]
             for n in setup.qk_names}
 
 
-def time_row(setup, run: Path, path: str, c: int, b: int, steps: int, warmup: int) -> dict:
+def time_row(setup, run: Path, path: str, c: int, b: int, steps: int, warmup: int,
+             bf16: bool = False) -> dict:
     fed, model = setup.fed, setup.fed.model
     device = fed.device
     dtype = next(iter(setup.init.values())).dtype
@@ -69,7 +71,8 @@ def time_row(setup, run: Path, path: str, c: int, b: int, steps: int, warmup: in
         ix = pooled[torch.randint(len(pooled), (b,), generator=g)].to(device)
         _sync(device)
         t0 = time.perf_counter()
-        grads = grads_of(own, fed.x_train[ix], fed.y_train[ix])
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            grads = grads_of(own, fed.x_train[ix], fed.y_train[ix])
         if spec.clip_grad_norm is not None:
             optim.clip_(grads, optim.grad_norms(grads), spec.clip_grad_norm)
         count += 1
@@ -105,14 +108,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="256,2048")
     ap.add_argument("--paths", default="vmap,stacked")
     ap.add_argument("--precisions", default=None,
-                    help="fp32,tf32 on CUDA (default), fp32 elsewhere")
+                    help="fp32,tf32,bf16 on CUDA (default), fp32 elsewhere (bf16: the "
+                    "gradients under bf16 autocast, as linattn profile --precision bf16)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--output", type=Path, default=None)
     args = ap.parse_args(argv)
     setup = run_setup(args.run, args.device)
     device = setup.fed.device
-    precisions = (args.precisions or ("fp32,tf32" if device.type == "cuda" else "fp32"))
+    precisions = (args.precisions or ("fp32,tf32,bf16" if device.type == "cuda" else "fp32"))
     rows = []
     print(f"{'path':8} {'prec':5} {'C':>3} {'B':>5} {'step ms':>9} {'samples/s':>11} "
           f"{'TFLOP/s':>8} {'eval s':>7}")
@@ -123,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             for b in (int(v) for v in args.batches.split(",")):
                 for path in args.paths.split(","):
                     r = {"precision": prec, **time_row(setup, args.run, path, c, b,
-                                                       args.steps, args.warmup)}
+                                                       args.steps, args.warmup,
+                                                       bf16=prec == "bf16")}
                     rows.append(r)
                     print(f"{path:8} {prec:5} {c:3d} {b:5d} {1e3 * r['step_s']:9.2f} "
                           f"{r['samples_per_s']:11.0f} {r['tflops']:8.3f} {r['eval_s']:7.3f}",
