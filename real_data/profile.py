@@ -29,14 +29,16 @@ Phi depends on M alone, for a given run config:
   dropped; a new pass starts when one is used up. Dropout (where the model has it) draws from
   ``torch.manual_seed(seed)``.
 
-Training runs in float32 (float64 for a ``precision: fp64`` run), without autocast, on
-``train.device`` unless a device is given. Several kernels train side by side (their
-parameters stacked, one gradient step for all on the same minibatch, :func:`kernel_grads`:
-the engines' stacked forward for the ViT and the character model without dropout, else a
-``vmap``-ed gradient; the optimizer rules of :mod:`real_data.engines.optim`); a kernel's Phi
-does not depend on the others in its stack, up to floating-point round-off, and the record
-names the path (``grad_path``). The model is the plain network: an algorithm's own
-forward (FedTP's hypernetwork, FedSQ's structure) is not used.
+Training runs in float32 (float64 for a ``precision: fp64`` run), without autocast unless the
+budget asks for it (``Budget.precision``: TF32 matmuls or bf16 autocast on a float32 run; the
+validation loss always read in float32), on ``train.device`` unless a device is given.
+Several kernels train side by side (their parameters stacked, one gradient step for all on
+the same minibatch, :func:`kernel_grads`: the engines' stacked forward for the ViT and the
+character model without dropout, else a ``vmap``-ed gradient; the optimizer rules of
+:mod:`real_data.engines.optim`); a kernel's Phi does not depend on the others in its stack, up
+to floating-point round-off, and the record names the path (``grad_path``). The model is the
+plain network: an algorithm's own forward (FedTP's hypernetwork, FedSQ's structure) is not
+used.
 
 **The rule that reads Phi** (``phi_rule``). ``"min"`` (the commands' default): the validation
 loss is evaluated every ``eval_every`` steps (the checkpoints of a budget of n steps: the
@@ -372,8 +374,8 @@ def kernel_grads(model, qk: dict[str, torch.Tensor], path: str):
     of every kernel's model at once (:func:`real_data.engines.stacked.stacked_forward`, the
     kernels on the client axis, the minibatch broadcast to each) and one backward of the sum of
     the kernels' losses, whose gradient with respect to a kernel's parameters is its own
-    loss's; the same function up to round-off (``tests/real_data/test_profile.py``), in fewer,
-    larger GEMMs."""
+    loss's; the same function up to round-off (``tests/real_data/test_kernel_profile.py``), in
+    fewer, larger GEMMs."""
     from real_data.engines.base import client_losses, task_loss
 
     if path == "vmap":
