@@ -29,8 +29,9 @@
 # workers, the kernel profile of the selection's cells (`linattn study --profile`) on every GPU,
 # one process each (--shard k/ngpu of the cells), for PROFILE_SECONDS (default 0: none) of the
 # SECONDS, the workers getting the rest; a process starts no new cell after half its time. The
-# cache of every Phi computed goes to OUTDIR/profiles.tar.gz: unpack it into the plan's out_dir
-# and run `linattn study --plan P --profile PROFILE_ARGS --aggregate-only` for the tables.
+# cache of every Phi computed goes to OUTDIR/profiles.tar.gz.partNN (`cat` the parts and unpack
+# the archive into the plan's out_dir); then `linattn study --plan P --profile PROFILE_ARGS
+# --aggregate-only` writes the tables.
 # A stack the limit kills leaves its progress (partial_<digest>.pt, saved every 60 s) in that
 # cache, so the archive carries it too: unpacked into the plan's out_dir on the next machine,
 # the same PROFILE_ARGS resume the stack where it was.
@@ -79,8 +80,8 @@ if [ -n "${PARTIAL_ARCHIVE:-}" ]; then
   rm -f "$out/restore.tar.gz"
 fi
 # what an earlier call packed into this OUTDIR describes that call, not this one
-rm -f "$out"/study_runs.tar.gz* "$out"/partial_runs.tar.gz* "$out/done_markers.tar.gz" \
-  "$out/logs.tar.gz"
+rm -f "$out"/study_runs.tar.gz* "$out"/partial_runs.tar.gz* "$out"/profiles.tar.gz* \
+  "$out/done_markers.tar.gz" "$out/logs.tar.gz"
 # the pretraining jobs the selection needs, spread over the GPUs (the k-th of every ngpu jobs)
 # (killed well before the call's limit, so the markers of what exists still get written)
 pids=()
@@ -162,7 +163,10 @@ if [ "$profile_s" -gt 0 ]; then
   done
   grep -h "^profile " "$out"/logs/profile_*.log | tail -5
   dest=$(python -c "from real_data import study; print(study.load_plan('$plan').out_dir)")
-  if [ -d "$dest/profiles" ]; then tar -czf "$out/profiles.tar.gz" -C "$dest" profiles; fi
+  if [ -d "$dest/profiles" ]; then
+    tar -czf "$out/profiles.tar.gz" -C "$dest" profiles
+    split -b 15M -d "$out/profiles.tar.gz" "$out/profiles.tar.gz.part" && rm "$out/profiles.tar.gz"
+  fi
   echo "profiles stopped after $(($(date +%s) - start)) s"
 fi
 python -m linattn study --plan "$plan" --list "$@" | awk '{print $1}' | sort | uniq -c

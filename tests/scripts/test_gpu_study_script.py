@@ -343,8 +343,12 @@ def test_gpu_study_script_profiles_the_cells_it_trained(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "profiles stopped after" in res.stdout
-    with tarfile.open(tmp_path / "o" / "profiles.tar.gz") as tar:
+    parts = sorted((tmp_path / "o").glob("profiles.tar.gz.part*"))
+    assert parts and not (tmp_path / "o" / "profiles.tar.gz").exists()
+    (tmp_path / "profiles.tar.gz").write_bytes(b"".join(p.read_bytes() for p in parts))
+    with tarfile.open(tmp_path / "profiles.tar.gz") as tar:
         cached = [m for m in tar.getnames() if m.endswith(".json")]
+        assert not [m for m in tar.getnames() if "partial_" in m]  # every stack ended
     # two cells (one per seed, spread over the two stand-in GPUs), each with the three T0
     # snapshots of the arm and the reference's at the same rounds
     assert len(cached) == 2 * (3 + 3)
@@ -353,7 +357,7 @@ def test_gpu_study_script_profiles_the_cells_it_trained(tmp_path):
     fresh.mkdir()
     data = b"".join(p.read_bytes() for p in sorted((tmp_path / "o").glob("study_runs*")))
     (tmp_path / "all.tar.gz").write_bytes(data)
-    for archive in (tmp_path / "all.tar.gz", tmp_path / "o" / "profiles.tar.gz"):
+    for archive in (tmp_path / "all.tar.gz", tmp_path / "profiles.tar.gz"):
         with tarfile.open(archive) as tar:
             tar.extractall(fresh, filter="data")
     plan = study.load_plan(plan_path, fresh)
