@@ -674,7 +674,7 @@ def _profile(argv: list[str]) -> int:
     ap.add_argument("--device", default=None,
                     help="cpu, cuda, cuda:1, ... (default: the run's train.device)")
     ap.add_argument("--stack", type=int, default=32,
-                    help="kernels trained side by side in one vmap-ed step (default 32; the "
+                    help="kernels trained side by side, one gradient step for all (default 32; the "
                     "results do not depend on it beyond round-off)")
     ap.add_argument("--json", type=Path, metavar="OUT",
                     help="write the results (one object per kernel) to this JSON file; while "
