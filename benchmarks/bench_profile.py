@@ -31,7 +31,7 @@ import torch
 from real_data.engines import optim
 from real_data.engines.base import OptimizerSpec
 from real_data.metrics import step_flops
-from real_data.profile import _evaluate_each, kernel_grads, load_kernel, run_setup
+from real_data.profile import _evaluate_each, kernel_grads, load_kernel, run_setup, update
 
 
 def _sync(device: torch.device) -> None:
@@ -73,10 +73,7 @@ def time_row(setup, run: Path, path: str, c: int, b: int, steps: int, warmup: in
         t0 = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             grads = grads_of(own, fed.x_train[ix], fed.y_train[ix])
-        if spec.clip_grad_norm is not None:
-            optim.clip_(grads, optim.grad_norms(grads), spec.clip_grad_norm)
-        count += 1
-        own = optim.step(spec, own, grads, state, count)
+        own = update(spec, own, grads, state, count)
         _sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)

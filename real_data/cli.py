@@ -330,7 +330,7 @@ def _study(argv: list[str]) -> int:
                     "--deadline starts no new cell after SECONDS, "
                     "--aggregate-only only reads the cache")
     _budget_options(ap, "--profile-", "with --profile: ", "each run's")
-    ap.add_argument("--profile-rounds", default=None, metavar="ROUNDS",
+    ap.add_argument("--profile-rounds", type=_ints, default=None, metavar="ROUNDS",
                     help="with --profile: only the kernels of these T0 (a comma list of rounds "
                     "of the plan's T0 grid, e.g. 0,40,120,200; Phi_best's kernel always): "
                     "bias and drift at fewer T0 for less GPU time; default every T0")
@@ -724,20 +724,6 @@ def _profile(argv: list[str]) -> int:
     return 0
 
 
-def _rounds_option(text: str | None) -> tuple[int, ...] | None:
-    """``--profile-rounds 0,40,200`` as a tuple of rounds (None when not given)."""
-    from linattn.errors import UserError
-
-    if text is None:
-        return None
-    try:
-        rounds = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise UserError(f"--profile-rounds {text}: a comma list of T0 rounds, e.g. "
-                        "0,40,120,200") from None
-    return rounds
-
-
 def _study_profile(args, full, shard) -> int:
     """``linattn study --plan P --profile``: Phi at every snapshot, then the tables."""
     from linattn.errors import UserError
@@ -754,7 +740,7 @@ def _study_profile(args, full, shard) -> int:
     records = study.profile_plan(plan, budget, device=args.device, shard=shard,
                                  deadline_s=args.deadline, compute=not args.aggregate_only,
                                  pattern=args.slice, split=args.profile_split or "cells",
-                                 rounds=_rounds_option(args.profile_rounds))
+                                 rounds=args.profile_rounds)
     if args.no_tables:
         return 0
     rows = study.bias_drift(records)

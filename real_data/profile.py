@@ -407,16 +407,33 @@ def kernel_grads(model, qk: dict[str, torch.Tensor], path: str):
 GRAD_PATHS = ("vmap", "stacked")
 
 
+def update(spec, own, grads, state, count: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One optimizer step of a kernel stack: each kernel's gradients clipped to
+    ``spec.clip_grad_norm`` (when set), ``count`` (steps taken, per kernel) advanced in place,
+    then the rule of :mod:`real_data.engines.optim`; returns the new parameters."""
+    from real_data.engines import optim
+
+    if spec.clip_grad_norm is not None:
+        optim.clip_(grads, optim.grad_norms(grads), spec.clip_grad_norm)
+    count += 1
+    return optim.step(spec, own, grads, state, count)
+
+
 class ProfileHalted(RuntimeError):
     """Raised by a training told to stop at a step (``halt_at``), after saving its progress:
     what a killed process leaves behind, for the resume tests."""
 
 
+def _sources(kernels: list[tuple[str, object]]) -> list:
+    """Each kernel's source as saved progress names it: a path, or a dict's tensor names."""
+    return [str(s) if not isinstance(s, dict) else sorted(s) for _, s in kernels]
+
+
 def _partial_key(kernels, budget: Budget, path: str, c: int, dtype, device) -> dict:
     """What a saved stack must match to be resumed: its kernels (labels and sources), budget,
     gradient path, size, dtype and device type."""
-    return {"kernels": [[str(label), str(src) if not isinstance(src, dict) else
-                         sorted(src)] for label, src in kernels],
+    return {"kernels": [[str(label), src] for (label, _), src in
+                        zip(kernels, _sources(kernels), strict=True)],
             "budget": dataclasses.asdict(budget), "path": path, "stack": c,
             "dtype": str(dtype), "device": device.type}
 
@@ -438,8 +455,7 @@ def _load_partial(partial: Path | None, key: dict) -> dict | None:
 def partial_file(folder: Path, kernels: list[tuple[str, object]], budget: Budget) -> Path:
     """Where a stack of ``kernels`` saves its progress under ``budget`` in ``folder``: a name
     of its own per stack (a digest of the kernels' sources and the budget's tag)."""
-    text = json.dumps([budget.tag(), [str(s) if not isinstance(s, dict) else sorted(s)
-                                      for _, s in kernels]])
+    text = json.dumps([budget.tag(), _sources(kernels)])
     return Path(folder) / f"partial_{hashlib.sha256(text.encode()).hexdigest()[:16]}.pt"
 
 
@@ -575,12 +591,9 @@ def _profile_many(setup: ProfileSetup, kernels: list[tuple[str, object]], budget
                             raise ProfileHalted(f"halted at step {step} (saved)")
                     ix = index[step]
                     grads = step_grads(own, x[ix], y[ix])
-                    if spec.clip_grad_norm is not None:
-                        optim.clip_(grads, optim.grad_norms(grads), spec.clip_grad_norm)
-                    count += 1
                     step_spec = spec if budget.schedule == "constant" else \
                         dataclasses.replace(spec, lr=budget.step_size(lr, step, horizon))
-                    own = optim.step(step_spec, own, grads, state, count)
+                    own = update(step_spec, own, grads, state, count)
                     if step + 1 in reads:
                         model.eval()
                         torch.backends.cuda.matmul.allow_tf32 = False  # read in float32
