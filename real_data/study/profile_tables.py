@@ -294,14 +294,16 @@ def write_kernel_profile(rows: list[dict], out_dir: Path, budget=None,
                                                    "schedule": budget.schedule,
                                                    "optimizer": budget.optimizer,
                                                    "phi_rule": budget.phi_rule,
-                                                   "eval_every": budget.eval_every},
+                                                   "eval_every": budget.eval_every,
+                                                   "precision": budget.precision},
             "phi_best": BEST_RULE, "rows": rows, "summary": summary,
             "t0_choice": t0_choice or []}
     atomic_write_text(paths[1], json.dumps(meta, indent=1))
     steps = "" if budget is None else (
         f" for {budget.steps} steps (check: {2 * budget.steps})"
         + ("" if budget.schedule == "constant" else f", {budget.schedule} step size")
-        + ("" if budget.optimizer == "run" else f", {budget.optimizer}"))
+        + ("" if budget.optimizer == "run" else f", {budget.optimizer}")
+        + ("" if budget.precision == "fp32" else f", {budget.precision} arithmetic"))
     read = ("the validation loss" if budget is None else
             "the validation loss after the last step" if budget.phi_rule == "last" else
             f"the minimum of the validation loss over the budget, read every "

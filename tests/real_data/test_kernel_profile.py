@@ -952,3 +952,9 @@ def test_study_caches_each_rule_apart_and_labels_old_records(tmp_path):
     assert meta["budget"]["phi_rule"] == "min" and meta["budget"]["eval_every"] == 4
     assert "minimum of the validation loss over the budget, read every 4 steps" in \
         paths[2].read_text()
+    assert meta["budget"]["precision"] == "fp32" and "arithmetic" not in paths[2].read_text()
+    # the tables name the arithmetic a budget other than fp32 trains in (it moves Phi)
+    paths = study.write_kernel_profile(rows, tmp_path / "bf16",
+                                       dataclasses.replace(best, precision="bf16"))
+    assert json.loads(paths[1].read_text())["budget"]["precision"] == "bf16"
+    assert ", bf16 arithmetic." in paths[2].read_text()
