@@ -5,8 +5,9 @@
 
 ``reproduce`` runs the theory and simulation checks P1-P6 (``simulations.validate``), draws
 figures 1-6 and 8-10 (and 7 with ``--real-data``, 11 where that folder holds a freeze-rule
-study's ``rule_regret.json``, 12 where it holds a ``t0_choice.csv`` with the sweeps' settings)
-into DIR (default ``figures/out/`` under the
+study's ``rule_regret.json``, 12 where it holds a ``t0_choice.csv`` with the sweeps' settings,
+13 where it also holds ``study_per_run.csv``, 14 where it or a subfolder holds a
+``kernel_profile.json``) into DIR (default ``figures/out/`` under the
 current directory) and writes DIR/report.md with every prediction, its criterion, the numbers
 and PASS or FAIL. Intermediate results are cached in DIR/.cache, so a second call redraws in
 seconds. It needs no GPU and no download. The router (``linattn/cli.py``) passes argv with
@@ -28,7 +29,7 @@ MODULES = {1: "fig1_bias_drift", 2: "fig2_final_error", 3: "fig3_optimal_warmup"
            4: "fig4_frozen_floor", 5: "fig5_bound", 6: "fig6_gradient_jumps",
            7: "fig7_real_data", 8: "fig8_partitions", 9: "fig9_schedules",
            10: "fig10_shift_map", 11: "fig11_freeze_timing", 12: "fig12_p3_real",
-           13: "fig13_p3_curves"}
+           13: "fig13_p3_curves", 14: "fig14_kernel_profile"}
 SIMULATED = (1, 2, 3, 4, 5, 6)  # the figures drawn from the validation result
 
 
@@ -41,7 +42,8 @@ DESCRIPTIONS = {
     "reproduce": "The main job: run the theory and simulation checks P1-P6, draw figures 1-6 "
                  "and 8-10 (and 7 from existing real-data runs with --real-data, 11 where that "
                  "folder holds a freeze-rule report, 12 and 13 where it holds a P3 study's "
-                 "T0 choices and per-run scores), and write "
+                 "T0 choices and per-run scores, 14 where it holds its kernel-profile tables), "
+                 "and write "
                  "OUT/report.md with every prediction, its criterion, the numbers and PASS or "
                  "FAIL. Intermediate results are cached, so a second call redraws in seconds. "
                  "No GPU and no download needed.",
@@ -55,7 +57,9 @@ DESCRIPTIONS = {
               "the validation-selected T0 along K and the step size against the exact "
               "model's direction (needs --real-data: a P3 study's export folder), 13 P3 on "
               "real networks: test accuracy against T0 per setting and per arm (the same "
-              "folder).",
+              "folder), 14 the kernel profile on real networks: Phi along the round, bias and "
+              "drift against T0 per reference and budget (needs --real-data: a folder holding "
+              "kernel_profile.json tables, e.g. docs/study/p3).",
 }
 
 
@@ -70,7 +74,9 @@ def _parser(command: str) -> argparse.ArgumentParser:
     top.add_argument("--real-data", type=Path, default=None, metavar="RUNS_DIR",
                      help="folder of real-data run directories (a study's out_dir): figure 7; "
                           "figure 11: a freeze-rule study's export folder or out_dir; "
-                          "figures 12 and 13: a P3 study's export folder or out_dir")
+                          "figures 12 and 13: a P3 study's export folder or out_dir; figure "
+                          "14: a folder holding kernel_profile.json tables (or subfolders "
+                          "that do)")
     top.add_argument("--threads", type=int, default=2, metavar="N",
                      help="torch threads (default 2)")
     top.add_argument("--cache", type=Path, default=None, metavar="DIR",
@@ -80,7 +86,7 @@ def _parser(command: str) -> argparse.ArgumentParser:
 
 def _draw(number: int, result, grid, out_dir, cache_dir, real_data):
     module = importlib.import_module(f"figures.{MODULES[number]}")
-    if number in (7, 11, 12, 13):
+    if number in (7, 11, 12, 13, 14):
         return module.make(real_data, out_dir)
     if number == 8:
         return module.make(out_dir)
@@ -132,10 +138,12 @@ def reproduce(args, command: str) -> int:
         from figures.fig11_freeze_timing import has_report
         from figures.fig12_p3_real import has_choices
         from figures.fig13_p3_curves import has_curves
+        from figures.fig14_kernel_profile import has_profile
 
         numbers += [11] if has_report(args.real_data) else []
         numbers += [12] if has_choices(args.real_data) else []
         numbers += [13] if has_curves(args.real_data) else []
+        numbers += [14] if has_profile(args.real_data) else []
     figures = []
     for number in numbers:
         fig = step(f"figure {number} ({MODULES[number]})",
@@ -165,6 +173,9 @@ def figure(args) -> int:
                           "(e.g. docs/study/freeze_rules)")
     if args.number in (12, 13) and args.real_data is None:
         raise FigureError(f"figure {args.number} reads a P3 study's T0 choices: give "
+                          "--real-data DIR (e.g. docs/study/p3)")
+    if args.number == 14 and args.real_data is None:
+        raise FigureError("figure 14 reads a P3 study's kernel-profile tables: give "
                           "--real-data DIR (e.g. docs/study/p3)")
     set_threads(args.threads)
     grid = grid_for(args.quick)

@@ -217,3 +217,71 @@ def test_figure_13_without_per_run_scores_exits_2_naming_the_fix(tmp_path, capsy
     assert "no study_per_run.csv" in capsys.readouterr().err
     assert not (tmp_path / "o" / "fig13_p3_curves.png").exists()
     assert main(["figure", "13", "--out", str(tmp_path / "o")]) == 2
+
+
+def _profile_table(folder, budget, bias0, n_seeds=1, converged=1, refs=("reference",
+                                                                           "reference_iid")):
+    """A kernel_profile.json as `linattn study --profile` writes it: Phi_fed rising by 0.001 a
+    round step, each reference 0.002 above it, Phi_best 0.35."""
+    import json
+
+    summary = []
+    for ref in refs:
+        for i, t0 in enumerate((0, 10, 200)):
+            fed, phi_ref = 0.34 + 0.001 * i, 0.34 + (0.002 * i if i else 0.0)
+            summary.append({"sweep": "lin_K10", "alpha": 0.1, "arm": "fedfrozen",
+                            "warmup_rounds": t0, "reference": ref, "n_seeds": n_seeds,
+                            "n_converged": converged, "phi_fed_mean": fed, "phi_fed_std": 0.0,
+                            "phi_ref_mean": phi_ref, "phi_ref_std": 0.0,
+                            "phi_best_mean": 0.35, "phi_best_std": 0.0,
+                            "bias_mean": bias0 + 0.01 * i, "bias_std": 0.002,
+                            "drift_mean": fed - phi_ref, "drift_std": None})
+    folder.mkdir(parents=True)
+    (folder / "kernel_profile.json").write_text(json.dumps(
+        {"budget": budget, "summary": summary, "rows": []}))
+    return folder
+
+
+def test_figure_14_draws_each_budgets_profile_converged_first(tmp_path, capsys):
+    from figures.fig14_kernel_profile import has_profile, profiles
+
+    root = tmp_path / "p3"
+    _profile_table(root / "profile_a_sgd", {"steps": 4000, "batch_size": 128, "lr": None,
+                                            "optimizer": "run", "schedule": "constant",
+                                            "phi_rule": "min", "eval_every": 250},
+                   bias0=0.05, n_seeds=3, converged=0)
+    _profile_table(root / "profile_b_adam", {"steps": 1600, "batch_size": 2048, "lr": 0.002,
+                                             "optimizer": "adam", "schedule": "constant",
+                                             "phi_rule": "min", "eval_every": 50,
+                                             "precision": "fp32"}, bias0=-0.02)
+    assert has_profile(root) and not has_profile(tmp_path / "missing")
+    data = profiles(root)
+    # the budget whose every kernel passed the check comes first, whatever its folder name
+    assert [p["folder"] for p in data] == ["profile_b_adam", "profile_a_sgd"]
+    assert data[0]["budget"] == "1600 x 2048, adam lr 0.002, constant, min every 50"
+    assert data[1]["budget"] == "4000 x 128, run's optimizer, constant, min every 250"
+    ref = data[0]["refs"]["reference_iid"]
+    assert ref["t0"] == [0, 10, 200] and ref["bias"] == pytest.approx([-0.02, -0.01, 0.0])
+    assert ref["drift"] == pytest.approx([0.0, -0.001, -0.002])
+    assert ref["drift_std"] == [0.0, 0.0, 0.0]  # a missing std draws no band
+    assert main(["figure", "14", "--real-data", str(root), "--out", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    assert (tmp_path / "o" / "fig14_kernel_profile.png").stat().st_size > 10_000
+    assert ("1600 x 2048, adam lr 0.002, constant, min every 50 (lin_K10, alpha 0.1, 1 seed, "
+            "converged 1/1): federated Phi 0.3400 at T0 = 0, 0.3420 at 200") in out
+    assert "pooled single client: bias -0.0200 at T0 = 0 to +0.0000 at 200" in out
+
+
+def test_figure_14_without_a_profile_exits_2_naming_the_fix(tmp_path, capsys):
+    (tmp_path / "export").mkdir()
+    assert main(["figure", "14", "--real-data", str(tmp_path / "export"), "--out",
+                 str(tmp_path / "o")]) == 2
+    assert "no kernel_profile.json" in capsys.readouterr().err
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "kernel_profile.json").write_text("{not json")
+    assert main(["figure", "14", "--real-data", str(tmp_path / "bad"), "--out",
+                 str(tmp_path / "o")]) == 2
+    assert "not a kernel-profile table" in capsys.readouterr().err
+    assert not (tmp_path / "o" / "fig14_kernel_profile.png").exists()
+    assert main(["figure", "14", "--out", str(tmp_path / "o")]) == 2
+    assert "kernel-profile tables: give --real-data" in capsys.readouterr().err
