@@ -6,7 +6,8 @@ Drawn from the kernel-profile tables of a P3 study (``kernel_profile.json``, wri
 ``linattn study --plan p3 --profile ...``): the folder's own table and those of its
 subfolders (one per Phi budget, e.g. ``docs/study/p3/profile_adam_1600x2048/``). One row of
 three panels per (budget, sweep, alpha) of the first T0 arm (FedFrozen): the budgets whose
-every kernel passed the doubled-budget check first, then the others by folder name.
+every checked kernel passed the doubled-budget check first (seeds profiled without the check,
+``--profile-no-check``, are counted apart), then the others by folder name.
 
 - Phi(M) against the round: the federated head's snapshot M_T0 and each reference's M_ref,T0
   (mean over seeds, the band one standard deviation where there are several), the dotted
@@ -80,9 +81,11 @@ def profiles(folder: Path) -> list[dict]:
                 continue
             n = max(r["n_seeds"] for r in rows)
             converged = min(r["n_converged"] for r in rows)
+            checked = min(r.get("n_checked", r["n_seeds"]) for r in rows)
             label = path.parent.name if path.parent != folder else folder.name
             out.append({"table": str(path), "folder": label, "sweep": sweep, "alpha": alpha,
                         "arm": arm, "n_seeds": n, "n_converged": converged,
+                        "n_checked": checked,
                         "budget": _budget_label(meta.get("budget"), label),
                         "refs": {ref: {k: [r[f"{k}_mean"] for r in rs] for k in
                                        ("phi_fed", "phi_ref", "phi_best", "bias", "drift")}
@@ -90,7 +93,8 @@ def profiles(folder: Path) -> list[dict]:
                                     ("phi_fed", "phi_ref", "bias", "drift")}
                                  | {"t0": [r["warmup_rounds"] for r in rs]}
                                  for ref, rs in refs.items()}})
-    out.sort(key=lambda p: (p["n_converged"] < p["n_seeds"], p["folder"], p["sweep"]))
+    out.sort(key=lambda p: (not 0 < p["n_checked"] == p["n_converged"], p["folder"],
+                            p["sweep"]))
     return out
 
 
@@ -121,7 +125,8 @@ def make(folder: Path, out_dir=None) -> FigureOutput:
     for row, p in zip(grid, data, strict=True):
         where = (f"{p['sweep']}, {'natural' if p['alpha'] is None else 'alpha ' + str(p['alpha'])}"
                  f", {p['n_seeds']} seed{'s' if p['n_seeds'] > 1 else ''}, converged "
-                 f"{p['n_converged']}/{p['n_seeds']}")
+                 f"{p['n_converged']}/{p['n_checked']}"
+                 + ("" if p["n_checked"] == p["n_seeds"] else " checked"))
         first = next(iter(p["refs"].values()))
         _band(row[0], first["t0"], first["phi_fed"], first["phi_fed_std"], "C0",
               f"federated ({p['arm']})")

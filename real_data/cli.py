@@ -383,6 +383,8 @@ def _study(argv: list[str]) -> int:
                  "profile_eval_every", "profile_split", "profile_rounds", "device"):
         if getattr(args, flag) is not None:
             raise UserError(f"--{flag.replace('_', '-')}: only with --profile")
+    if args.profile_no_check:
+        raise UserError("--profile-no-check: only with --profile")
     if args.stage is not None and full.tune is None:
         raise UserError(f"--stage {args.stage}: plan {full.name} has no tune section")
     stages = ["plain"] if full.tune is None else (
@@ -621,6 +623,12 @@ def _budget_options(ap, prefix: str, lead: str, whose: str) -> None:
                     f"the budget, evaluated every {prefix}eval-every steps: early stopping on "
                     "the validation split) or last (the validation loss after the last step; "
                     "the rule of every record without a phi_rule field); default min")
+    ap.add_argument(f"{prefix}no-check", action="store_true",
+                    help=f"{lead}no convergence check: train N steps, not 2N (half the cost "
+                    "at a constant step), and report Phi at N without a verdict; for a budget "
+                    "whose convergence is shown elsewhere (its cache files carry _nocheck; "
+                    "the study's tables read a checked record of the same budget where one "
+                    "exists)")
     ap.add_argument(f"{prefix}eval-every", type=int, default=None, metavar="E",
                     help=f"{lead}the min rule's cadence: the validation loss is read every E "
                     "steps and after the last (default 250, or N when the budget is shorter; "
@@ -638,6 +646,7 @@ def _budget(args, prefix: str, seed: int | None = None):
                   schedule=getattr(args, f"{prefix}schedule"),
                   optimizer=getattr(args, f"{prefix}optimizer"),
                   phi_rule=COMMAND_PHI_RULE if rule is None else rule,
+                  check=not getattr(args, f"{prefix}no_check"),
                   eval_every=getattr(args, f"{prefix}eval_every"),
                   precision=getattr(args, f"{prefix}precision"))
 

@@ -129,6 +129,11 @@ class Budget:
         Seed of the minibatch order and dropout; ``None``: the run's training seed.
     check : bool
         Also train to ``2 * steps`` and report the relative change (the convergence check).
+        Without it (``--no-check``) a kernel costs half (a constant step) or a third (the
+        cosine) of the checked budget; its record holds Phi at N, no verdict (``converged``
+        None), and its cache file a name of its own (``_nocheck``). A checked record of the
+        same budget holds the same Phi at N (the same training), so the study's tables read
+        one where no unchecked record exists.
     schedule : {"constant", "cosine"}
         The step size over the budget: constant, or a cosine from ``lr`` to 0 over ``steps``
         (the module docstring).
@@ -230,6 +235,8 @@ class Budget:
             parts.append(self.precision)
         if self.phi_rule != "last":  # the last rule keeps the key its records always had
             parts.append(f"{self.phi_rule}{self.eval_every}")
+        if not self.check:
+            parts.append("nocheck")
         return "_".join(parts)
 
 
@@ -643,7 +650,7 @@ def _profile_many(setup: ProfileSetup, kernels: list[tuple[str, object]], budget
                "converged": None, "stacked": c, "grad_path": path, "seconds": seconds,
                "device": where,
                "phi_rule": budget.phi_rule, "eval_every": budget.eval_every,
-               "precision": budget.precision,
+               "precision": budget.precision, "check": budget.check,
                "phi_step": at, "val_loss_last": last, "val_acc_last": last_acc}
         if adam:
             rec.update(betas=list(spec.betas), eps=spec.eps)

@@ -121,6 +121,22 @@ def _cache_file(cell: dict, kind: str, arm: str, t: int, budget) -> Path:
     return cell["cache"] / f"{kind}_{arm}_round{t}__{budget.tag()}.json"
 
 
+def _cached(cell: dict, kind: str, arm: str, t: int, budget) -> Path | None:
+    """The cache file that holds this kernel's Phi under ``budget``: its own, or for a budget
+    without the check (``check=False``) the checked budget's (the same training gives the same
+    Phi at N); None when neither exists."""
+    own = _cache_file(cell, kind, arm, t, budget)
+    if own.is_file():
+        return own
+    if not budget.check:
+        import dataclasses
+
+        checked = _cache_file(cell, kind, arm, t, dataclasses.replace(budget, check=True))
+        if checked.is_file():
+            return checked
+    return None
+
+
 def profile_plan(plan: Plan, budget, log=print, device: str | None = None,
                  shard: tuple[int, int] | None = None, deadline_s: float | None = None,
                  compute: bool = True, stack: int = 32,
@@ -172,8 +188,7 @@ def profile_plan(plan: Plan, budget, log=print, device: str | None = None,
     for cell in cells:
         late = deadline_s is not None and time.perf_counter() - start > deadline_s
         todo = [(k, a, t, p) for i, (k, a, t, p) in enumerate(kept(cell))
-                if mine(i) and not _cache_file(cell, k, a, t, budget).is_file()
-                and p.is_file()]
+                if mine(i) and _cached(cell, k, a, t, budget) is None and p.is_file()]
         if compute and todo and not late and (cell["run_dir"] / "config.yaml").is_file():
             setup = run_setup(cell["run_dir"], device)
             results = setup.phi_many([(str(p), p) for *_, p in todo], budget, stack,
@@ -187,8 +202,8 @@ def profile_plan(plan: Plan, budget, log=print, device: str | None = None,
                     + ("" if res["relative_change"] is None else
                        f" (2N change {100 * res['relative_change']:.2f}%)"))
         for i, (kind, arm, t, path) in enumerate(kept(cell)):
-            cache = _cache_file(cell, kind, arm, t, budget)
-            if cache.is_file():
+            cache = _cached(cell, kind, arm, t, budget)
+            if cache is not None:
                 res = json.loads(cache.read_text())
                 res.setdefault("phi_rule", "last")  # written before the rule was recorded
                 records.append({"sweep": cell["sweep"], "alpha": cell["alpha"],
@@ -231,6 +246,7 @@ def bias_drift(records: list[dict]) -> list[dict]:
                         "rel_change_ref": ref.get("relative_change"),
                         "rel_change_best": best.get("relative_change"),
                         "converged": all(bool(x.get("converged")) for x in (fed, ref, best)),
+                        "checked": all(x.get("converged") is not None for x in (fed, ref, best)),
                         **_doubled(fed, ref, best),
                         "steps": fed.get("steps"),
                         "phi_rule": fed.get("phi_rule", "last"),
@@ -262,7 +278,8 @@ def summarize(rows: list[dict]) -> list[dict]:
     for (sweep, alpha, arm, t, ref), items in cells.items():
         rec = {"sweep": sweep, "alpha": alpha, "arm": arm, "warmup_rounds": t,
                "reference": ref, "n_seeds": len(items),
-               "n_converged": sum(bool(r["converged"]) for r in items)}
+               "n_converged": sum(bool(r["converged"]) for r in items),
+               "n_checked": sum(bool(r.get("checked", True)) for r in items)}
         for key in ("phi_fed", "phi_ref", "phi_best", "bias", "drift"):
             v = np.array([r[key] for r in items], dtype=np.float64)
             rec[f"{key}_mean"], rec[f"{key}_std"] = float(np.mean(v)), float(np.std(v))
@@ -311,7 +328,9 @@ def write_kernel_profile(rows: list[dict], out_dir: Path, budget=None,
     lines = [f"Phi: {read}, with Q/K frozen and the rest trained on the pooled training "
              f"data{steps}. bias = Phi(M_ref,T0) - Phi_best, drift = Phi(M_T0) - "
              f"Phi(M_ref,T0); {BEST_RULE}. Mean +- std over seeds; converged: seeds whose "
-             "three kernels changed Phi by < 1% at twice the budget; bias and drift at 2N: "
+             "three kernels changed Phi by < 1% at twice the budget, of the seeds whose "
+             "budget ran the check (a seed profiled with --profile-no-check counts as "
+             "unchecked); bias and drift at 2N: "
              "the same differences read at the check's budget (mean +- std over the seeds "
              "that reached it), so a trend that holds at N and at 2N does not hang on one "
              "budget.", "",
@@ -326,11 +345,14 @@ def write_kernel_profile(rows: list[dict], out_dir: Path, budget=None,
 
     for r in summary:
         change = "-" if r["max_rel_change"] is None else f"{100 * r['max_rel_change']:.2f}%"
+        checked = r.get("n_checked", r["n_seeds"])
+        verdict = f"{r['n_converged']}/{checked}" + (
+            "" if checked == r["n_seeds"] else f" ({r['n_seeds'] - checked} unchecked)")
         lines.append(f"| {r['sweep']} | {'natural' if r['alpha'] is None else r['alpha']} | "
                      f"{r['arm']} | {r['warmup_rounds']} | {r['reference']} | {r['n_seeds']} | "
                      f"{f(r, 'phi_fed')} | {f(r, 'phi_ref')} | {f(r, 'phi_best')} | "
                      f"{f(r, 'bias')} | {f(r, 'drift')} | {f(r, 'bias_2n')} | "
-                     f"{f(r, 'drift_2n')} | {r['n_converged']}/{r['n_seeds']} | "
+                     f"{f(r, 'drift_2n')} | {verdict} | "
                      f"{change} |")
     if t0_choice:
         from real_data.study.tables import t0_choice_lines

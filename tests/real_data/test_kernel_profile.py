@@ -26,6 +26,7 @@ from real_data.profile import (
     kernel_profile,
     run_setup,
 )
+from real_data.study.profile_tables import summarize
 
 # a tiny run that holds out a validation split, trained with every part of the SGD rule the
 # profile replays (momentum, weight decay, clipping)
@@ -958,3 +959,61 @@ def test_study_caches_each_rule_apart_and_labels_old_records(tmp_path):
                                        dataclasses.replace(best, precision="bf16"))
     assert json.loads(paths[1].read_text())["budget"]["precision"] == "bf16"
     assert ", bf16 arithmetic." in paths[2].read_text()
+
+
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_a_budget_without_the_check_reads_the_same_phi_at_half_the_training(run_dir, tmp_path,
+                                                                             schedule):
+    """``check=False`` (--no-check) trains N steps, not 2N: Phi at N equals the checked
+    budget's (the same training, to the bit on the CPU), the record gives no verdict, and the
+    cache key says so."""
+    setup = run_setup(run_dir)
+    snap = run_dir / "checkpoints" / "round_3.pt"
+    base = dict(lr=0.02, optimizer="adam", phi_rule="min", eval_every=EVERY, schedule=schedule)
+    checked = setup.phi(snap, Budget(STEPS, **base))
+    bare = setup.phi(snap, Budget(STEPS, check=False, **base))
+    assert bare["phi"] == checked["phi"] and bare["phi_step"] == checked["phi_step"]
+    assert bare["val_curve"] == checked["val_curve"]
+    assert bare["check"] is False and checked["check"] is True
+    assert bare["converged"] is None and bare["relative_change"] is None
+    assert bare["phi_doubled"] is None and checked["converged"] is not None
+    assert Budget(STEPS, check=False, **base).tag() == \
+        Budget(STEPS, **base).tag() + "_nocheck"
+    if schedule == "constant":  # the command's flag
+        out = tmp_path / "phi.json"
+        assert linattn_main(["profile", "--run", str(run_dir), "--rounds", "3", "--steps",
+                             "6", "--eval-every", "3", "--no-check", "--json", str(out)]) == 0
+        rec = json.loads(out.read_text())["kernels"][0]
+        assert rec["check"] is False and rec["converged"] is None and rec["steps"] == 6
+
+
+def test_study_without_the_check_reads_checked_records_and_counts_them_apart(tmp_path, capsys):
+    """--profile-no-check: a kernel with a checked record of the same budget is read from it
+    (nothing trains again); the others train without the check into files of their own; the
+    tables count the unchecked seeds apart; the option needs --profile."""
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(PLAN))
+    plan = study.load_plan(path, tmp_path / "out")
+    study.run_study(plan, log=lambda *_: None)
+    checked = Budget(12, phi_rule="min", eval_every=4)
+    bare = dataclasses.replace(checked, check=False)
+    first = study.profile_plan(plan, checked, log=lambda *_: None)
+    files = sorted((plan.out_dir / "profiles").rglob("*.json"))
+    assert len(files) == len(first) >= 4
+    files[0].unlink()  # one kernel without a checked record
+    lines = []
+    second = study.profile_plan(plan, bare, log=lines.append)
+    assert len(lines) == 1 and "(2N change" not in lines[0]  # only the missing kernel trained
+    made = sorted((plan.out_dir / "profiles").rglob("*_nocheck.json"))
+    assert [f.name for f in made] == [files[0].name.replace(".json", "_nocheck.json")]
+    assert [r["phi"] for r in second] == [r["phi"] for r in first]
+    rows = study.bias_drift(second)
+    assert any(not r["checked"] for r in rows) and any(r["checked"] for r in rows)
+    summary = summarize(rows)
+    assert {(r["n_seeds"], r["n_checked"]) for r in summary} >= {(1, 0), (1, 1)}
+    text = study.write_kernel_profile(rows, tmp_path / "tables", bare)[2].read_text()
+    assert "(1 unchecked)" in text and "| 1/1 |" in text
+    # the checked budget does not read the unchecked file: that kernel is missing there
+    assert len(study.profile_plan(plan, checked, compute=False)) == len(first) - 1
+    assert linattn_main(["study", "--plan", str(path), "--profile-no-check"]) == 2
+    assert "--profile-no-check: only with --profile" in capsys.readouterr().err
