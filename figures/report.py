@@ -40,7 +40,8 @@ TITLES = {1: "Bias and drift versus T0 (P1)", 2: "Final error versus T0 (P2)",
           10: "Where freezing pays: covariate shift x teacher heterogeneity",
           11: "When to freeze on real data: accuracy against T0, each rule's choice",
           12: "P3 on real networks: the chosen T0 along K and the step size",
-          13: "P3 on real networks: test accuracy against T0, and is it the kernel?"}
+          13: "P3 on real networks: test accuracy against T0, and is it the kernel?",
+          14: "The kernel profile on real networks: Phi, bias and drift against T0 (P1)"}
 
 
 def verdict(check: dict) -> str:

@@ -75,6 +75,9 @@ def make_study(root: Path, rounds: int = 6) -> Path:
         t0_choice_row("lin_lr05", 0.1, 120, 80, 160, "linear", 10, 0.5)])
     write_per_run_export(root / "tables", {(sweep, "fedfrozen"): lambda t0: 0.6 + 0.0002 * t0
                                            for sweep in ("lin_K2", "lin_K10", "lin_lr05")})
+    profile_table_export(root / "profile_adam", {  # a kernel-profile table (figure 14)
+        "steps": 1600, "batch_size": 2048, "lr": 0.002, "optimizer": "adam",
+        "schedule": "constant", "phi_rule": "min", "eval_every": 50}, bias0=-0.02)
     return root
 
 
@@ -161,3 +164,27 @@ def write_rule_export(folder: Path) -> Path:
          "chosen": cands[-1], "candidates": cands} for sw in ("fmnist_softmax", "mnist")]}
     (folder / "choices.json").write_text(json.dumps(choices))
     return folder
+
+
+def profile_table_export(folder, budget, bias0, n_seeds=1, converged=1, refs=("reference",
+                                                                           "reference_iid")):
+    """A kernel_profile.json as `linattn study --profile` writes it: Phi_fed rising by 0.001 a
+    round step, each reference 0.002 above it, Phi_best 0.35."""
+    import json
+
+    summary = []
+    for ref in refs:
+        for i, t0 in enumerate((0, 10, 200)):
+            fed, phi_ref = 0.34 + 0.001 * i, 0.34 + (0.002 * i if i else 0.0)
+            summary.append({"sweep": "lin_K10", "alpha": 0.1, "arm": "fedfrozen",
+                            "warmup_rounds": t0, "reference": ref, "n_seeds": n_seeds,
+                            "n_converged": converged, "phi_fed_mean": fed, "phi_fed_std": 0.0,
+                            "phi_ref_mean": phi_ref, "phi_ref_std": 0.0,
+                            "phi_best_mean": 0.35, "phi_best_std": 0.0,
+                            "bias_mean": bias0 + 0.01 * i, "bias_std": 0.002,
+                            "drift_mean": fed - phi_ref, "drift_std": None})
+    folder.mkdir(parents=True)
+    (folder / "kernel_profile.json").write_text(json.dumps(
+        {"budget": budget, "summary": summary, "rows": []}))
+    return folder
+

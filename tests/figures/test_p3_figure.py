@@ -4,6 +4,7 @@ export writes for it."""
 import pytest
 from figure_checks import (
     T0_CHOICE_HEADER,
+    profile_table_export,
     t0_choice_row,
     write_per_run_export,
     write_t0_choice_export,
@@ -219,38 +220,15 @@ def test_figure_13_without_per_run_scores_exits_2_naming_the_fix(tmp_path, capsy
     assert main(["figure", "13", "--out", str(tmp_path / "o")]) == 2
 
 
-def _profile_table(folder, budget, bias0, n_seeds=1, converged=1, refs=("reference",
-                                                                           "reference_iid")):
-    """A kernel_profile.json as `linattn study --profile` writes it: Phi_fed rising by 0.001 a
-    round step, each reference 0.002 above it, Phi_best 0.35."""
-    import json
-
-    summary = []
-    for ref in refs:
-        for i, t0 in enumerate((0, 10, 200)):
-            fed, phi_ref = 0.34 + 0.001 * i, 0.34 + (0.002 * i if i else 0.0)
-            summary.append({"sweep": "lin_K10", "alpha": 0.1, "arm": "fedfrozen",
-                            "warmup_rounds": t0, "reference": ref, "n_seeds": n_seeds,
-                            "n_converged": converged, "phi_fed_mean": fed, "phi_fed_std": 0.0,
-                            "phi_ref_mean": phi_ref, "phi_ref_std": 0.0,
-                            "phi_best_mean": 0.35, "phi_best_std": 0.0,
-                            "bias_mean": bias0 + 0.01 * i, "bias_std": 0.002,
-                            "drift_mean": fed - phi_ref, "drift_std": None})
-    folder.mkdir(parents=True)
-    (folder / "kernel_profile.json").write_text(json.dumps(
-        {"budget": budget, "summary": summary, "rows": []}))
-    return folder
-
-
 def test_figure_14_draws_each_budgets_profile_converged_first(tmp_path, capsys):
     from figures.fig14_kernel_profile import has_profile, profiles
 
     root = tmp_path / "p3"
-    _profile_table(root / "profile_a_sgd", {"steps": 4000, "batch_size": 128, "lr": None,
+    profile_table_export(root / "profile_a_sgd", {"steps": 4000, "batch_size": 128, "lr": None,
                                             "optimizer": "run", "schedule": "constant",
                                             "phi_rule": "min", "eval_every": 250},
                    bias0=0.05, n_seeds=3, converged=0)
-    _profile_table(root / "profile_b_adam", {"steps": 1600, "batch_size": 2048, "lr": 0.002,
+    profile_table_export(root / "profile_b_adam", {"steps": 1600, "batch_size": 2048, "lr": 0.002,
                                              "optimizer": "adam", "schedule": "constant",
                                              "phi_rule": "min", "eval_every": 50,
                                              "precision": "fp32"}, bias0=-0.02)

@@ -98,7 +98,8 @@ def test_real_data_figure_reads_the_study(quick_run):
 @pytest.mark.parametrize("argv, message", [
     (["reproduce", "--real-data", "/no/such/folder"], "--real-data"),
     (["figure", "7"], "--real-data"),
-    (["figure", "14"], "invalid choice"),
+    (["figure", "15"], "invalid choice"),
+    (["figure", "14"], "--real-data"),
     (["figure", "13"], "--real-data"),
     (["figure", "12"], "--real-data"),
     (["figure", "12", "--real-data", "/no/such/folder"], "no such folder"),
