@@ -36,6 +36,7 @@ bias, drift, the doubled-budget checks, the rule that read Phi) and the mean +- 
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import json
 import time
@@ -129,8 +130,6 @@ def _cached(cell: dict, kind: str, arm: str, t: int, budget) -> Path | None:
     if own.is_file():
         return own
     if not budget.check:
-        import dataclasses
-
         checked = _cache_file(cell, kind, arm, t, dataclasses.replace(budget, check=True))
         if checked.is_file():
             return checked
@@ -312,12 +311,15 @@ def write_kernel_profile(rows: list[dict], out_dir: Path, budget=None,
                                                    "optimizer": budget.optimizer,
                                                    "phi_rule": budget.phi_rule,
                                                    "eval_every": budget.eval_every,
-                                                   "precision": budget.precision},
+                                                   "precision": budget.precision,
+                                                   "check": budget.check},
             "phi_best": BEST_RULE, "rows": rows, "summary": summary,
             "t0_choice": t0_choice or []}
     atomic_write_text(paths[1], json.dumps(meta, indent=1))
     steps = "" if budget is None else (
-        f" for {budget.steps} steps (check: {2 * budget.steps})"
+        f" for {budget.steps} steps"
+        + (f" (check: {2 * budget.steps})" if budget.check else
+           " (no check run; a checked record of the same budget read where one exists)")
         + ("" if budget.schedule == "constant" else f", {budget.schedule} step size")
         + ("" if budget.optimizer == "run" else f", {budget.optimizer}")
         + ("" if budget.precision == "fp32" else f", {budget.precision} arithmetic"))

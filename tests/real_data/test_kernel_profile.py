@@ -1012,7 +1012,7 @@ def test_study_without_the_check_reads_checked_records_and_counts_them_apart(tmp
     summary = summarize(rows)
     assert {(r["n_seeds"], r["n_checked"]) for r in summary} >= {(1, 0), (1, 1)}
     text = study.write_kernel_profile(rows, tmp_path / "tables", bare)[2].read_text()
-    assert "(1 unchecked)" in text and "| 1/1 |" in text
+    assert "(1 unchecked)" in text and "| 1/1 |" in text and "(no check run;" in text
     # the checked budget does not read the unchecked file: that kernel is missing there
     assert len(study.profile_plan(plan, checked, compute=False)) == len(first) - 1
     assert linattn_main(["study", "--plan", str(path), "--profile-no-check"]) == 2
