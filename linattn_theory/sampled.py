@@ -118,7 +118,7 @@ def _penalty(problem, kernel, value) -> float:
 # A warm-up step gathers the minibatch rows of a group of clients at a time, at most this many
 # bytes (three clients' 256 rows at d = 16, twice a core's 1 MiB L2 cache): the two
 # per-sequence products after the gather read the rows from the shared cache, and a group of
-# 3-5 clients takes about 9% less time per round than one client at a time on one core
+# 3-5 clients takes 8-10% less time per round than one client at a time on one core
 # (numpy's per-call cost spread over more rows); every client's arithmetic is the same in any
 # grouping
 _GATHER_BYTES = 1 << 21
