@@ -39,7 +39,38 @@ def _tables(folder: Path) -> list[Path]:
     found = [folder / TABLE, folder / "tables" / TABLE]
     if folder.is_dir():
         found += sorted(p / TABLE for p in folder.iterdir() if p.is_dir())
-    return [p for p in found if p.is_file()]
+    return [p for p in dict.fromkeys(found) if p.is_file()]  # tables/ once
+
+
+ROW_KEYS = ("sweep", "alpha", "arm", "warmup_rounds", "reference", "n_seeds", "n_converged")
+MEANS = ("phi_fed", "phi_ref", "phi_best", "bias", "drift")
+
+
+def _check_table(path: Path, meta) -> list[dict]:
+    """The table's summary rows, each with the keys and numbers figure 14 draws; FigureError
+    naming the file, the row and the key otherwise."""
+    fix = "write it again with `linattn study --plan P --profile ...` or move it out of the folder"
+    if not isinstance(meta, dict) or not isinstance(meta.get("summary"), list):
+        raise FigureError(f"{path}: not a kernel-profile table (no summary list); {fix}")
+    budget = meta.get("budget")
+    if budget is not None and not (isinstance(budget, dict) and isinstance(
+            budget.get("steps"), int)):
+        raise FigureError(f"{path}: budget: not a budget with an integer steps; {fix}")
+    for i, r in enumerate(meta["summary"]):
+        if not isinstance(r, dict):
+            raise FigureError(f"{path}: summary[{i}]: not a row; {fix}")
+        for key in (*ROW_KEYS, *(f"{k}_mean" for k in MEANS)):
+            if key not in r:
+                raise FigureError(f"{path}: summary[{i}]: no {key!r}; {fix}")
+        for key in (f"{k}_mean" for k in MEANS):
+            if isinstance(r[key], bool) or not isinstance(r[key], int | float):
+                raise FigureError(f"{path}: summary[{i}]: {key} is {r[key]!r}, not a number; "
+                                  f"{fix}")
+        for key in ("warmup_rounds", "n_seeds", "n_converged", "n_checked"):
+            if key in r and (isinstance(r[key], bool) or not isinstance(r[key], int)):
+                raise FigureError(f"{path}: summary[{i}]: {key} is {r[key]!r}, not an "
+                                  f"integer; {fix}")
+    return meta["summary"]
 
 
 def _budget_label(budget: dict | None, folder: str) -> str:
@@ -64,10 +95,10 @@ def profiles(folder: Path) -> list[dict]:
     for path in _tables(folder):
         try:
             meta = json.loads(path.read_text())
-            summary = meta["summary"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError) as exc:
             raise FigureError(f"{path}: not a kernel-profile table ({type(exc).__name__}); "
                               "write it with `linattn study --plan P --profile ...`") from None
+        summary = _check_table(path, meta)
         cells: dict = {}
         for r in summary:
             cells.setdefault((r["sweep"], r["alpha"]), []).append(r)
@@ -80,12 +111,18 @@ def profiles(folder: Path) -> list[dict]:
             if not refs:
                 continue
             n = max(r["n_seeds"] for r in rows)
-            converged = min(r["n_converged"] for r in rows)
-            checked = min(r.get("n_checked", r["n_seeds"]) for r in rows)
+            # the verdict of the row with the most checked seeds that failed: one row's
+            # counts, never a minimum of each count over different rows
+            worst = max(rows, key=lambda r: (r.get("n_checked", r["n_seeds"])
+                                             - r["n_converged"], -r["n_converged"]))
+            converged = worst["n_converged"]
+            checked = worst.get("n_checked", worst["n_seeds"])
+            passed = all(0 < r.get("n_checked", r["n_seeds"]) == r["n_converged"]
+                         for r in rows)
             label = path.parent.name if path.parent != folder else folder.name
             out.append({"table": str(path), "folder": label, "sweep": sweep, "alpha": alpha,
                         "arm": arm, "n_seeds": n, "n_converged": converged,
-                        "n_checked": checked,
+                        "n_checked": checked, "passed": passed,
                         "budget": _budget_label(meta.get("budget"), label),
                         "refs": {ref: {k: [r[f"{k}_mean"] for r in rs] for k in
                                        ("phi_fed", "phi_ref", "phi_best", "bias", "drift")}
@@ -93,7 +130,7 @@ def profiles(folder: Path) -> list[dict]:
                                     ("phi_fed", "phi_ref", "bias", "drift")}
                                  | {"t0": [r["warmup_rounds"] for r in rs]}
                                  for ref, rs in refs.items()}})
-    out.sort(key=lambda p: (not 0 < p["n_checked"] == p["n_converged"], p["folder"],
+    out.sort(key=lambda p: (not p["passed"], p["folder"],
                             p["sweep"]))
     return out
 
@@ -115,6 +152,10 @@ def _band(ax, x, mean, std, colour, label, style="-"):
 
 def make(folder: Path, out_dir=None) -> FigureOutput:
     data = profiles(Path(folder))
+    if not data and _tables(Path(folder)):
+        raise FigureError(f"{', '.join(map(str, _tables(Path(folder))))}: no summary rows (no "
+                          "kernel profiled); run `linattn study --plan p3 --profile ...` over "
+                          "the cell's runs first")
     if not data:
         raise FigureError(f"--real-data {folder}: no {TABLE} in it, in its tables/ or in a "
                           "subfolder; run `linattn study --plan p3 --profile ...` (and "

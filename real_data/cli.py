@@ -716,7 +716,8 @@ def _profile(argv: list[str]) -> int:
     results = setup.phi_many([(str(path), path) for _, path in kernels], budget, args.stack,
                              partial_dir=None if args.json is None else args.json.parent)
     for (label, _), r in zip(kernels, results, strict=True):
-        check = ("" if r["relative_change"] is None else
+        check = (", no check" if r.get("check") is False else
+                 "" if r["relative_change"] is None else
                  f", 2N: {r['phi_doubled']:.4f} (change {100 * r['relative_change']:.2f}%"
                  f"{'' if r['converged'] else ', NOT converged'})")
         where = (f"after {r['steps']} steps" if r["phi_rule"] == "last" else

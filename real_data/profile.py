@@ -132,8 +132,9 @@ class Budget:
         Without it (``--no-check``) a kernel costs half (a constant step) or a third (the
         cosine) of the checked budget; its record holds Phi at N, no verdict (``converged``
         None), and its cache file a name of its own (``_nocheck``). A checked record of the
-        same budget holds the same Phi at N (the same training), so the study's tables read
-        one where no unchecked record exists.
+        same budget holds Phi at N of the same training (up to the round-off of the stack it
+        trained in), so the study's tables read one where no unchecked record exists, and a
+        checked stack's saved progress within its first N steps resumes the unchecked one.
     schedule : {"constant", "cosine"}
         The step size over the budget: constant, or a cosine from ``lr`` to 0 over ``steps``
         (the module docstring).
@@ -466,6 +467,31 @@ def partial_file(folder: Path, kernels: list[tuple[str, object]], budget: Budget
     return Path(folder) / f"partial_{hashlib.sha256(text.encode()).hexdigest()[:16]}.pt"
 
 
+def _checked_progress(partial: Path, kernels, budget: Budget, path: str, c: int, dtype,
+                      device, key: dict) -> dict | None:
+    """For a budget without the check: the progress the same stack saved under the checked
+    budget (its file beside ``partial``), where it covers this budget's one training. That
+    training is the checked budget's first N steps (a constant step: the start of its one
+    training of 2N; the cosine: its first training, over N), the same steps on the same
+    minibatches, so the checked state resumes it exactly: a finished first training (the
+    cosine's, kept in ``done``) is read as it is, and one stopped within its first N steps
+    goes on from there. None otherwise (the state is past N, or no such file)."""
+    checked = dataclasses.replace(budget, check=True)
+    other = _load_partial(partial_file(partial.parent, kernels, checked),
+                          _partial_key(kernels, checked, path, c, dtype, device))
+    if other is None:
+        return None
+    n = budget.steps
+    horizon = 2 * n if budget.schedule == "constant" else n  # as _profile_many trains it
+    if horizon == n and n in other["done"]:
+        return {"key": key, "done": {n: other["done"][n]}, "seconds": other["seconds"],
+                "current": None}
+    now = other["current"]
+    if now is None or now["horizon"] != horizon or now["step"] > n:
+        return None
+    return {"key": key, "done": {}, "seconds": other["seconds"], "current": now}
+
+
 def _to_device(obj, device):
     """``obj`` (tensors in dicts) with every tensor on ``device``."""
     if isinstance(obj, dict):
@@ -538,6 +564,8 @@ def _profile_many(setup: ProfileSetup, kernels: list[tuple[str, object]], budget
 
     key = _partial_key(kernels, budget, path, c, dtype, device)
     saved = _load_partial(partial, key)
+    if saved is None and partial is not None and not budget.check:
+        saved = _checked_progress(partial, kernels, budget, path, c, dtype, device, key)
     done: dict[int, dict] = saved["done"] if saved else {}  # horizon -> its finished reads
     elapsed = saved["seconds"] if saved else 0.0
 

@@ -124,8 +124,8 @@ def _cache_file(cell: dict, kind: str, arm: str, t: int, budget) -> Path:
 
 def _cached(cell: dict, kind: str, arm: str, t: int, budget) -> Path | None:
     """The cache file that holds this kernel's Phi under ``budget``: its own, or for a budget
-    without the check (``check=False``) the checked budget's (the same training gives the same
-    Phi at N); None when neither exists."""
+    without the check (``check=False``) the checked budget's (Phi at N of the same training,
+    up to the round-off of the stack it trained in); None when neither exists."""
     own = _cache_file(cell, kind, arm, t, budget)
     if own.is_file():
         return own

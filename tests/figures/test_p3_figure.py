@@ -263,3 +263,32 @@ def test_figure_14_without_a_profile_exits_2_naming_the_fix(tmp_path, capsys):
     assert not (tmp_path / "o" / "fig14_kernel_profile.png").exists()
     assert main(["figure", "14", "--out", str(tmp_path / "o")]) == 2
     assert "kernel-profile tables: give --real-data" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m["summary"][0].pop("n_seeds"), "summary[0]: no 'n_seeds'"),
+    (lambda m: m["summary"][1].update(bias_mean=None), "summary[1]: bias_mean is None"),
+    (lambda m: m.update(summary={"a": 1}), "no summary list"),
+    (lambda m: m.update(summary=[1]), "summary[0]: not a row"),
+    (lambda m: m.update(budget={"lr": 0.1}), "budget: not a budget"),
+    (lambda m: m.update(summary=[]), "no summary rows"),
+])
+def test_figure_14_names_a_malformed_table_and_draws_nothing(tmp_path, capsys, edit, message):
+    import json
+
+    folder = profile_table_export(tmp_path / "p" / "profile_x", {"steps": 10}, bias0=0.0)
+    meta = json.loads((folder / "kernel_profile.json").read_text())
+    edit(meta)
+    (folder / "kernel_profile.json").write_text(json.dumps(meta))
+    assert main(["figure", "14", "--real-data", str(tmp_path / "p"), "--out",
+                 str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "kernel_profile.json" in err
+    assert not (tmp_path / "o" / "fig14_kernel_profile.png").exists()
+
+
+def test_figure_14_reads_a_tables_folder_once(tmp_path):
+    from figures.fig14_kernel_profile import profiles
+
+    profile_table_export(tmp_path / "out" / "tables", {"steps": 10}, bias0=0.0)
+    assert len(profiles(tmp_path / "out")) == 1

@@ -1017,3 +1017,62 @@ def test_study_without_the_check_reads_checked_records_and_counts_them_apart(tmp
     assert len(study.profile_plan(plan, checked, compute=False)) == len(first) - 1
     assert linattn_main(["study", "--plan", str(path), "--profile-no-check"]) == 2
     assert "--profile-no-check: only with --profile" in capsys.readouterr().err
+
+
+def test_a_budget_without_the_check_resumes_a_checked_stacks_progress(run64, tmp_path,
+                                                                      monkeypatch):
+    """A checked stack halted within its first N steps is the same training as the unchecked
+    budget's: the unchecked call resumes it (only the steps left
+    to N), its records equal an uninterrupted unchecked stack's to the bit; progress past N
+    is not taken; under the cosine the check's first training is the unchecked one."""
+    import real_data.profile as prof
+    from real_data.profile import ProfileHalted, _profile_many, partial_file
+
+    steps = []
+    real = prof.kernel_grads
+
+    def counting(*a, **kw):
+        f = real(*a, **kw)
+
+        def g(*b):
+            steps.append(1)
+            return f(*b)
+        return g
+
+    monkeypatch.setattr(prof, "kernel_grads", counting)
+    setup = run_setup(run64)
+    kernels = [("a", run64 / "checkpoints" / "round_3.pt"),
+               ("b", run64 / "checkpoints" / "round_0.pt")]
+    base = dict(lr=0.02, optimizer="adam", phi_rule="min", eval_every=EVERY)
+    checked, bare = Budget(STEPS, **base), Budget(STEPS, check=False, **base)
+    whole = _profile_many(setup, kernels, bare)
+    with pytest.raises(ProfileHalted):
+        _profile_many(setup, kernels, checked, partial=partial_file(tmp_path, kernels, checked),
+                      halt_at=17)
+    steps.clear()
+    resumed = _profile_many(setup, kernels, bare, partial=partial_file(tmp_path, kernels, bare))
+    assert len(steps) == STEPS - 17
+    for a, b in zip(whole, resumed, strict=True):
+        assert {k: v for k, v in a.items() if k != "seconds"} == \
+            {k: v for k, v in b.items() if k != "seconds"}
+    # past N the checked state is ahead of the unchecked budget's end: trained from the start
+    with pytest.raises(ProfileHalted):
+        _profile_many(setup, kernels, checked, partial=partial_file(tmp_path, kernels, checked),
+                      halt_at=STEPS + 3)
+    steps.clear()
+    again = _profile_many(setup, kernels, bare, partial=partial_file(tmp_path, kernels, bare))
+    assert len(steps) == STEPS and [r["phi"] for r in again] == [r["phi"] for r in whole]
+    cosine = dict(base, schedule="cosine")
+    checked_cos, bare_cos = Budget(STEPS, **cosine), Budget(STEPS, check=False, **cosine)
+    whole_cos = _profile_many(setup, kernels, bare_cos)
+    # the cosine's first training (over N) is the unchecked budget's one: stopped in it, or
+    # finished and stopped in the check's own training, the checked progress is resumed
+    for halt, left in ((17, STEPS - 17), (2 * STEPS - 7, 0)):
+        with pytest.raises(ProfileHalted):
+            _profile_many(setup, kernels, checked_cos, halt_at=halt,
+                          partial=partial_file(tmp_path, kernels, checked_cos))
+        steps.clear()
+        got = _profile_many(setup, kernels, bare_cos,
+                            partial=partial_file(tmp_path, kernels, bare_cos))
+        assert len(steps) == left
+        assert [r["val_curve"] for r in got] == [r["val_curve"] for r in whole_cos]
