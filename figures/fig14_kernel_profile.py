@@ -66,6 +66,10 @@ def _check_table(path: Path, meta) -> list[dict]:
             if isinstance(r[key], bool) or not isinstance(r[key], int | float):
                 raise FigureError(f"{path}: summary[{i}]: {key} is {r[key]!r}, not a number; "
                                   f"{fix}")
+        for key in (f"{k}_std" for k in MEANS):  # optional: a missing or null std, no band
+            v = r.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
+                raise FigureError(f"{path}: summary[{i}]: {key} is {v!r}, not a number; {fix}")
         for key in ("warmup_rounds", "n_seeds", "n_converged", "n_checked"):
             if key in r and (isinstance(r[key], bool) or not isinstance(r[key], int)):
                 raise FigureError(f"{path}: summary[{i}]: {key} is {r[key]!r}, not an "
@@ -126,12 +130,11 @@ def profiles(folder: Path) -> list[dict]:
                         "budget": _budget_label(meta.get("budget"), label),
                         "refs": {ref: {k: [r[f"{k}_mean"] for r in rs] for k in
                                        ("phi_fed", "phi_ref", "phi_best", "bias", "drift")}
-                                 | {f"{k}_std": [r[f"{k}_std"] or 0.0 for r in rs] for k in
+                                 | {f"{k}_std": [r.get(f"{k}_std") or 0.0 for r in rs] for k in
                                     ("phi_fed", "phi_ref", "bias", "drift")}
                                  | {"t0": [r["warmup_rounds"] for r in rs]}
                                  for ref, rs in refs.items()}})
-    out.sort(key=lambda p: (not p["passed"], p["folder"],
-                            p["sweep"]))
+    out.sort(key=lambda p: (not p["passed"], p["folder"], p["sweep"]))
     return out
 
 

@@ -272,6 +272,7 @@ def test_figure_14_without_a_profile_exits_2_naming_the_fix(tmp_path, capsys):
     (lambda m: m.update(summary=[1]), "summary[0]: not a row"),
     (lambda m: m.update(budget={"lr": 0.1}), "budget: not a budget"),
     (lambda m: m.update(summary=[]), "no summary rows"),
+    (lambda m: m["summary"][2].update(bias_std="x"), "summary[2]: bias_std is 'x'"),
 ])
 def test_figure_14_names_a_malformed_table_and_draws_nothing(tmp_path, capsys, edit, message):
     import json
@@ -292,3 +293,19 @@ def test_figure_14_reads_a_tables_folder_once(tmp_path):
 
     profile_table_export(tmp_path / "out" / "tables", {"steps": 10}, bias0=0.0)
     assert len(profiles(tmp_path / "out")) == 1
+
+
+def test_figure_14_draws_a_table_without_standard_deviations(tmp_path):
+    import json
+
+    from figures.fig14_kernel_profile import profiles
+
+    folder = profile_table_export(tmp_path / "p" / "profile_x", {"steps": 10}, bias0=0.0)
+    meta = json.loads((folder / "kernel_profile.json").read_text())
+    for r in meta["summary"]:
+        for k in ("phi_fed_std", "phi_ref_std", "bias_std", "drift_std"):
+            r.pop(k, None)
+    (folder / "kernel_profile.json").write_text(json.dumps(meta))
+    assert profiles(tmp_path / "p")[0]["refs"]["reference"]["bias_std"] == [0.0, 0.0, 0.0]
+    assert main(["figure", "14", "--real-data", str(tmp_path / "p"), "--out",
+                 str(tmp_path / "o")]) == 0
