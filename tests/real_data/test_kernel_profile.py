@@ -748,19 +748,11 @@ def test_the_gradient_paths_agree_on_the_character_model(attention):
         assert a[n].abs().max() > 0, n  # every parameter takes a gradient
 
 
-@pytest.mark.parametrize("schedule,halt", [("constant", 17), ("cosine", 2 * STEPS - 7)])
-def test_a_killed_stack_resumes_to_the_records_of_an_uninterrupted_one(run64, tmp_path,
-                                                                       schedule, halt,
-                                                                       monkeypatch):
-    """A stack saves its progress (the partial file) and a later call resumes it: halted
-    mid-training (the constant budget's one training; the cosine's second, its first already
-    finished), the resumed call takes only the steps left, its records equal the
-    uninterrupted stack's to the bit, the partial file is gone, and a file of another stack
-    is not resumed."""
+def _count_steps(monkeypatch) -> list:
+    """A list that grows by one at every gradient step a profile stack takes from now on."""
     import real_data.profile as prof
-    from real_data.profile import ProfileHalted, _profile_many, partial_file
 
-    steps = []
+    steps: list = []
     real = prof.kernel_grads
 
     def counting(*a, **kw):
@@ -772,6 +764,21 @@ def test_a_killed_stack_resumes_to_the_records_of_an_uninterrupted_one(run64, tm
         return g
 
     monkeypatch.setattr(prof, "kernel_grads", counting)
+    return steps
+
+
+@pytest.mark.parametrize("schedule,halt", [("constant", 17), ("cosine", 2 * STEPS - 7)])
+def test_a_killed_stack_resumes_to_the_records_of_an_uninterrupted_one(run64, tmp_path,
+                                                                       schedule, halt,
+                                                                       monkeypatch):
+    """A stack saves its progress (the partial file) and a later call resumes it: halted
+    mid-training (the constant budget's one training; the cosine's second, its first already
+    finished), the resumed call takes only the steps left, its records equal the
+    uninterrupted stack's to the bit, the partial file is gone, and a file of another stack
+    is not resumed."""
+    from real_data.profile import ProfileHalted, _profile_many, partial_file
+
+    steps = _count_steps(monkeypatch)
     setup = run_setup(run64)
     kernels = [("a", run64 / "checkpoints" / "round_3.pt"),
                ("b", run64 / "checkpoints" / "round_0.pt")]
@@ -1025,21 +1032,9 @@ def test_a_budget_without_the_check_resumes_a_checked_stacks_progress(run64, tmp
     budget's: the unchecked call resumes it (only the steps left
     to N), its records equal an uninterrupted unchecked stack's to the bit; progress past N
     is not taken; under the cosine the check's first training is the unchecked one."""
-    import real_data.profile as prof
     from real_data.profile import ProfileHalted, _profile_many, partial_file
 
-    steps = []
-    real = prof.kernel_grads
-
-    def counting(*a, **kw):
-        f = real(*a, **kw)
-
-        def g(*b):
-            steps.append(1)
-            return f(*b)
-        return g
-
-    monkeypatch.setattr(prof, "kernel_grads", counting)
+    steps = _count_steps(monkeypatch)
     setup = run_setup(run64)
     kernels = [("a", run64 / "checkpoints" / "round_3.pt"),
                ("b", run64 / "checkpoints" / "round_0.pt")]
