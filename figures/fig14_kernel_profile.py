@@ -87,7 +87,8 @@ def _budget_label(budget: dict | None, folder: str) -> str:
     prec = budget.get("precision") or "fp32"
     return (f"{budget['steps']} x {budget.get('batch_size')}, {opt}{lr}, "
             f"{budget.get('schedule', 'constant')}, {rule}"
-            + ("" if prec == "fp32" else f", {prec}"))
+            + ("" if prec == "fp32" else f", {prec}")
+            + ("" if budget.get("check", True) else ", no check"))
 
 
 def profiles(folder: Path) -> list[dict]:

@@ -238,6 +238,10 @@ def test_figure_14_draws_each_budgets_profile_converged_first(tmp_path, capsys):
     assert [p["folder"] for p in data] == ["profile_b_adam", "profile_a_sgd"]
     assert data[0]["budget"] == "1600 x 2048, adam lr 0.002, constant, min every 50"
     assert data[1]["budget"] == "4000 x 128, run's optimizer, constant, min every 250"
+    from figures.fig14_kernel_profile import _budget_label
+
+    assert _budget_label({"steps": 10, "batch_size": 4, "check": False}, "x").endswith(
+        ", no check")
     ref = data[0]["refs"]["reference_iid"]
     assert ref["t0"] == [0, 10, 200] and ref["bias"] == pytest.approx([-0.02, -0.01, 0.0])
     assert ref["drift"] == pytest.approx([0.0, -0.001, -0.002])
