@@ -105,6 +105,7 @@ from real_data.study.profile_tables import (
     bias_drift,
     profile_cells,
     profile_plan,
+    trends,
     write_kernel_profile,
 )
 from real_data.study.rule_report import rule_regret, write_rule_regret
@@ -170,6 +171,7 @@ __all__ = [
     "chosen_t0",
     "profile_cells",
     "profile_plan",
+    "trends",
     "write_kernel_profile",
     "write_t0_choice",
     "FINAL",

@@ -294,6 +294,96 @@ def summarize(rows: list[dict]) -> list[dict]:
     return sorted(out, key=lambda r: (*row_order(r), r["reference"]))
 
 
+# P1 along T0, per seed: each statistic, its definition (``early``/``late``: the lower and the
+# upper half of the cell's T0 grid, the middle T0 of an odd grid in neither) and the sign P1
+# predicts for it (+1 above 0, -1 below 0, 0 no prediction)
+TRENDS = (
+    ("bias_change", "mean bias over the late T0 minus over the early T0", -1),
+    ("rho_bias", "Spearman correlation of bias with T0", -1),
+    ("drift_change", "mean drift over the late T0 minus over the early T0", +1),
+    ("rho_drift", "Spearman correlation of drift with T0", +1),
+    ("drift_mean", "mean drift over the T0 above 0", +1),
+    ("phi_fed_change", "mean Phi(M_T0) over the late T0 minus over the early T0", 0),
+    ("rho_phi_fed", "Spearman correlation of Phi(M_T0) with T0", 0),
+)
+
+
+def _spearman(x, y) -> float | None:
+    from scipy import stats
+
+    if len(x) < 3 or np.ptp(y) == 0:
+        return None
+    return float(stats.spearmanr(x, y).statistic)
+
+
+def trends(rows: list[dict], level: float = 0.95) -> list[dict]:
+    """P1 along T0 (bias falls, drift rises), one record per (sweep, alpha, arm, reference,
+    statistic): each statistic of :data:`TRENDS` per seed from :func:`bias_drift`'s rows, its
+    mean over seeds with the two-sided t interval at ``level`` (seeds as the replicates; none
+    for one seed; a correlation's cut to [-1, 1]), ``per_seed`` in the order of ``seeds``, and
+    ``verdict``: ``as P1 predicts`` when the interval lies on the predicted
+    side of 0, ``against P1`` when on the other, ``not resolved`` when it holds 0 (or fewer
+    than 2 seeds have the statistic), ``no prediction`` for Phi(M_T0)'s own trend."""
+    from real_data.study.tables import t_interval
+
+    groups: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["sweep"], r["alpha"], r["arm"], r["reference"])
+        groups.setdefault(key, {}).setdefault(r["seed"], []).append(r)
+    out = []
+    for key, seeds in groups.items():
+        per_seed: dict[str, list] = {name: [] for name, *_ in TRENDS}
+        grids = set()
+        for _, items in sorted(seeds.items()):
+            items = sorted(items, key=lambda r: r["warmup_rounds"])
+            t0 = np.array([r["warmup_rounds"] for r in items], dtype=np.float64)
+            grids.add(tuple(int(t) for t in t0))
+            h = len(items) // 2
+            val = {k: np.array([r[k] for r in items], dtype=np.float64)
+                   for k in ("bias", "drift", "phi_fed")}
+
+            def change(v, h=h):
+                return float(v[-h:].mean() - v[:h].mean()) if h else None
+
+            stat = {"bias_change": change(val["bias"]), "rho_bias": _spearman(t0, val["bias"]),
+                    "drift_change": change(val["drift"]),
+                    "rho_drift": _spearman(t0, val["drift"]),
+                    "drift_mean": float(val["drift"][t0 > 0].mean()) if (t0 > 0).any()
+                    else None,
+                    "phi_fed_change": change(val["phi_fed"]),
+                    "rho_phi_fed": _spearman(t0, val["phi_fed"])}
+            for name in per_seed:
+                per_seed[name].append(stat[name])
+        grid = sorted(grids)[0]
+        h = len(grid) // 2
+        for name, definition, sign in TRENDS:
+            vals = [v for v in per_seed[name] if v is not None]
+            rec = {"sweep": key[0], "alpha": key[1], "arm": key[2], "reference": key[3],
+                   "statistic": name, "definition": definition,
+                   "p1_predicts": {1: "> 0", -1: "< 0", 0: None}[sign],
+                   "early_t0": list(grid[:h]), "late_t0": list(grid[-h:]) if h else [],
+                   "same_grid": len(grids) == 1, "seeds": sorted(seeds),
+                   "per_seed": per_seed[name],
+                   "n": len(vals), "level": level, "mean": None, "low": None, "high": None}
+            if vals:
+                mean, _, half = t_interval(vals, level)
+                rec["mean"] = mean
+                if half is not None:  # a correlation's interval is cut to [-1, 1]
+                    lo, hi = (-1.0, 1.0) if name.startswith("rho_") else (-np.inf, np.inf)
+                    rec["low"] = float(max(mean - half, lo))
+                    rec["high"] = float(min(mean + half, hi))
+            if sign == 0:
+                rec["verdict"] = "no prediction"
+            elif rec["low"] is None or rec["low"] <= 0 <= rec["high"]:
+                rec["verdict"] = "not resolved"
+            else:
+                rec["verdict"] = ("as P1 predicts" if (rec["low"] > 0) == (sign > 0)
+                                  else "against P1")
+            out.append(rec)
+    return sorted(out, key=lambda r: (*row_order({**r, "warmup_rounds": 0}), r["reference"],
+                                      [n for n, *_ in TRENDS].index(r["statistic"])))
+
+
 def write_kernel_profile(rows: list[dict], out_dir: Path, budget=None,
                          t0_choice: list[dict] | None = None) -> list[Path]:
     """``kernel_profile.csv`` (one row per seed), ``.json`` (rows, summary, the budget, the
@@ -314,7 +404,7 @@ def write_kernel_profile(rows: list[dict], out_dir: Path, budget=None,
                                                    "precision": budget.precision,
                                                    "check": budget.check},
             "phi_best": BEST_RULE, "rows": rows, "summary": summary,
-            "t0_choice": t0_choice or []}
+            "trends": trends(rows), "t0_choice": t0_choice or []}
     atomic_write_text(paths[1], json.dumps(meta, indent=1))
     steps = "" if budget is None else (
         f" for {budget.steps} steps"
@@ -356,6 +446,7 @@ def write_kernel_profile(rows: list[dict], out_dir: Path, budget=None,
                      f"{f(r, 'bias')} | {f(r, 'drift')} | {f(r, 'bias_2n')} | "
                      f"{f(r, 'drift_2n')} | {verdict} | "
                      f"{change} |")
+    lines += trend_lines(meta["trends"])
     if t0_choice:
         from real_data.study.tables import t0_choice_lines
 
@@ -363,3 +454,29 @@ def write_kernel_profile(rows: list[dict], out_dir: Path, budget=None,
     atomic_write_text(paths[2], "\n".join(lines) + "\n")
     return paths
 
+
+
+def trend_lines(records: list[dict]) -> list[str]:
+    """:func:`trends`' records as a Markdown section (none for no records)."""
+    if not records:
+        return []
+
+    def num(v, fmt="+.4f"):
+        return "-" if v is None else format(v, fmt)
+
+    level = round(100 * records[0]["level"])
+    lines = ["", f"P1 along T0, per seed, then over seeds (mean, two-sided {level}% t "
+             "interval with the seeds as replicates). Statistics: "
+             + "; ".join(f"{name}: {d}" for name, d, _ in TRENDS) + ".", "",
+             "| sweep | alpha | arm | reference | early T0 | late T0 | statistic | "
+             "P1 predicts | n | mean | interval | per seed | verdict |", "|" + "---|" * 13]
+    for r in records:
+        interval = "-" if r["low"] is None else f"[{r['low']:+.4f}, {r['high']:+.4f}]"
+        lines.append(
+            f"| {r['sweep']} | {'natural' if r['alpha'] is None else r['alpha']} | "
+            f"{r['arm']} | {r['reference']} | {','.join(map(str, r['early_t0']))} | "
+            f"{','.join(map(str, r['late_t0']))}"
+            f"{'' if r['same_grid'] else ' (grids differ by seed)'} | {r['statistic']} | "
+            f"{r['p1_predicts'] or '-'} | {r['n']} | {num(r['mean'])} | {interval} | "
+            f"{' '.join(num(v) for v in r['per_seed'])} | {r['verdict']} |")
+    return lines

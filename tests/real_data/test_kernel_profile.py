@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
+from scipy import stats
 
 from linattn.cli import main as linattn_main
 from linattn.errors import ConfigError, UserError
@@ -26,7 +27,7 @@ from real_data.profile import (
     kernel_profile,
     run_setup,
 )
-from real_data.study.profile_tables import summarize
+from real_data.study.profile_tables import TRENDS, summarize
 
 # a tiny run that holds out a validation split, trained with every part of the SGD rule the
 # profile replays (momentum, weight decay, clipping)
@@ -1071,3 +1072,67 @@ def test_a_budget_without_the_check_resumes_a_checked_stacks_progress(run64, tmp
                             partial=partial_file(tmp_path, kernels, bare_cos))
         assert len(steps) == left
         assert [r["val_curve"] for r in got] == [r["val_curve"] for r in whole_cos]
+
+
+def _trend_rows(bias: dict[int, list[float]], drift: dict[int, list[float]],
+                grid=(0, 10, 20, 30)) -> list[dict]:
+    """bias_drift-shaped rows of one cell and reference, ``bias[seed]`` and ``drift[seed]``
+    along ``grid``; Phi(M_T0) = 1 + bias + drift."""
+    return [{"sweep": "s", "alpha": 0.1, "arm": "ff", "reference": "pooled", "seed": seed,
+             "warmup_rounds": t, "bias": b, "drift": d, "phi_fed": 1.0 + b + d}
+            for seed in bias for t, b, d in zip(grid, bias[seed], drift[seed], strict=True)]
+
+
+def test_p1_trends_per_seed_and_their_intervals_over_seeds():
+    # bias falls and drift rises on every seed: P1 as predicted
+    bias = {0: [0.4, 0.3, 0.1, 0.0], 1: [0.5, 0.3, 0.2, 0.0], 2: [0.3, 0.2, 0.1, 0.0]}
+    drift = {0: [0.0, 0.1, 0.2, 0.3], 1: [0.0, 0.05, 0.1, 0.2], 2: [0.0, 0.2, 0.2, 0.4]}
+    got = {r["statistic"]: r for r in study.trends(_trend_rows(bias, drift))}
+    b = got["bias_change"]
+    assert b["early_t0"] == [0, 10] and b["late_t0"] == [20, 30] and b["seeds"] == [0, 1, 2]
+    # late minus early per seed: 0.05 - 0.35, 0.1 - 0.4, 0.05 - 0.25
+    assert np.allclose(b["per_seed"], [-0.3, -0.3, -0.2], atol=1e-12)
+    vals = np.array([-0.3, -0.3, -0.2])
+    half = stats.t.ppf(0.975, 2) * vals.std(ddof=1) / np.sqrt(3)
+    assert b["mean"] == pytest.approx(vals.mean(), abs=1e-12)
+    assert (b["low"], b["high"]) == pytest.approx((vals.mean() - half, vals.mean() + half),
+                                                  abs=1e-12)
+    assert b["verdict"] == "as P1 predicts" and b["p1_predicts"] == "< 0"
+    assert got["rho_bias"]["per_seed"] == pytest.approx([-1.0, -1.0, -1.0])
+    assert got["rho_bias"]["high"] <= 1.0 and got["rho_bias"]["low"] >= -1.0
+    assert got["drift_mean"]["per_seed"] == pytest.approx([0.2, 0.35 / 3, 0.8 / 3])
+    assert got["drift_mean"]["verdict"] == "as P1 predicts"
+    assert got["rho_phi_fed"]["verdict"] == "no prediction"
+    # the signs flipped: against P1
+    flip = {r["statistic"]: r["verdict"] for r in study.trends(_trend_rows(
+        {s: [-v for v in b_] for s, b_ in bias.items()},
+        {s: [-v for v in d] for s, d in drift.items()}))}
+    assert flip["bias_change"] == flip["drift_mean"] == flip["drift_change"] == "against P1"
+    # seeds that disagree: the interval holds 0
+    mixed = dict(bias)
+    mixed[2] = [0.0, 0.1, 0.3, 0.6]
+    assert {r["statistic"]: r["verdict"] for r in study.trends(
+        _trend_rows(mixed, drift))}["bias_change"] == "not resolved"
+    # one seed: a mean, no interval, nothing resolved
+    one = {r["statistic"]: r for r in study.trends(_trend_rows({0: bias[0]}, {0: drift[0]}))}
+    assert one["bias_change"]["low"] is None and one["bias_change"]["verdict"] == "not resolved"
+    # a flat drift has no correlation; it counts no seed
+    flat = {r["statistic"]: r for r in study.trends(
+        _trend_rows(bias, {s: [0.0] * 4 for s in drift}))}
+    assert flat["rho_drift"]["n"] == 0 and flat["rho_drift"]["verdict"] == "not resolved"
+
+
+def test_the_kernel_profile_tables_carry_the_trends(tmp_path):
+    bias = {0: [0.4, 0.3, 0.1, 0.0], 1: [0.5, 0.3, 0.2, 0.0]}
+    drift = {0: [0.0, 0.1, 0.2, 0.3], 1: [0.0, 0.05, 0.1, 0.2]}
+    rows = [{**r, "phi_ref": 1.0 + r["bias"], "phi_best": 1.0, "converged": True,
+             "checked": True, "rel_change_fed": 0.0, "rel_change_ref": 0.0,
+             "rel_change_best": 0.0, "bias_2n": None, "drift_2n": None}
+            for r in _trend_rows(bias, drift)]
+    paths = study.write_kernel_profile(rows, tmp_path)
+    meta = json.loads(paths[1].read_text())
+    assert [r["statistic"] for r in meta["trends"]] == [n for n, *_ in TRENDS]
+    text = paths[2].read_text()
+    assert "P1 along T0" in text
+    line = [ln for ln in text.splitlines() if "| bias_change |" in ln][0]
+    assert "| 0,10 | 20,30 |" in line and "| -0.3000 -0.3000 |" in line
