@@ -168,10 +168,11 @@ def make(folder: Path, out_dir=None) -> FigureOutput:
     grid = [grid] if len(data) == 1 else list(grid)
     notes = []
     for row, p in zip(grid, data, strict=True):
-        where = (f"{p['sweep']}, {'natural' if p['alpha'] is None else 'alpha ' + str(p['alpha'])}"
-                 f", {p['n_seeds']} seed{'s' if p['n_seeds'] > 1 else ''}, converged "
-                 f"{p['n_converged']}/{p['n_checked']}"
+        check = ("no seed checked" if p["n_checked"] == 0 else
+                 f"converged {p['n_converged']}/{p['n_checked']}"
                  + ("" if p["n_checked"] == p["n_seeds"] else " checked"))
+        where = (f"{p['sweep']}, {'natural' if p['alpha'] is None else 'alpha ' + str(p['alpha'])}"
+                 f", {p['n_seeds']} seed{'s' if p['n_seeds'] > 1 else ''}, {check}")
         first = next(iter(p["refs"].values()))
         _band(row[0], first["t0"], first["phi_fed"], first["phi_fed_std"], "C0",
               f"federated ({p['arm']})")

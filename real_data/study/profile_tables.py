@@ -419,7 +419,8 @@ def write_kernel_profile(rows: list[dict], out_dir: Path, budget=None,
             f"{budget.eval_every} steps")
     lines = [f"Phi: {read}, with Q/K frozen and the rest trained on the pooled training "
              f"data{steps}. bias = Phi(M_ref,T0) - Phi_best, drift = Phi(M_T0) - "
-             f"Phi(M_ref,T0); {BEST_RULE}. Mean +- std over seeds; converged: seeds whose "
+             f"Phi(M_ref,T0); {BEST_RULE}. Mean +- std over seeds (the population std, ddof 0); "
+             "converged: seeds whose "
              "three kernels changed Phi by < 1% at twice the budget, of the seeds whose "
              "budget ran the check (a seed profiled with --profile-no-check counts as "
              "unchecked); bias and drift at 2N: "
@@ -467,7 +468,8 @@ def trend_lines(records: list[dict]) -> list[str]:
     level = round(100 * records[0]["level"])
     lines = ["", f"P1 along T0, per seed, then over seeds (mean, two-sided {level}% t "
              "interval with the seeds as replicates). Statistics: "
-             + "; ".join(f"{name}: {d}" for name, d, _ in TRENDS) + ".", "",
+             + "; ".join(f"{name}: {d}" for name, d, _ in TRENDS) + ". Phi_best is one "
+             "number per seed, so no statistic depends on its choice.", "",
              "| sweep | alpha | arm | reference | early T0 | late T0 | statistic | "
              "P1 predicts | n | mean | interval | per seed | verdict |", "|" + "---|" * 13]
     for r in records:

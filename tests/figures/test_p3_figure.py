@@ -1,6 +1,8 @@
 """Figure 12 (P3 on real networks) from a study's exported T0 choices, and the settings the
 export writes for it."""
 
+import json
+
 import pytest
 from figure_checks import (
     T0_CHOICE_HEADER,
@@ -313,3 +315,18 @@ def test_figure_14_draws_a_table_without_standard_deviations(tmp_path):
     assert profiles(tmp_path / "p")[0]["refs"]["reference"]["bias_std"] == [0.0, 0.0, 0.0]
     assert main(["figure", "14", "--real-data", str(tmp_path / "p"), "--out",
                  str(tmp_path / "o")]) == 0
+
+
+def test_figure_14_names_a_profile_no_seed_of_which_ran_the_check(tmp_path, capsys):
+    folder = profile_table_export(tmp_path / "p3" / "profile", {
+        "steps": 1600, "batch_size": 2048, "lr": 0.002, "optimizer": "adam",
+        "schedule": "constant", "phi_rule": "min", "eval_every": 50, "check": False},
+        bias0=-0.02, n_seeds=3, converged=0)
+    meta = json.loads((folder / "kernel_profile.json").read_text())
+    for r in meta["summary"]:
+        r["n_checked"] = 0
+    (folder / "kernel_profile.json").write_text(json.dumps(meta))
+    assert main(["figure", "14", "--real-data", str(tmp_path / "p3"),
+                 "--out", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    assert "(lin_K10, alpha 0.1, 3 seeds, no seed checked)" in out and "0/0" not in out
