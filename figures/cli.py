@@ -76,7 +76,8 @@ def _parser(command: str) -> argparse.ArgumentParser:
                           "figure 11: a freeze-rule study's export folder or out_dir; "
                           "figures 12 and 13: a P3 study's export folder or out_dir; figure "
                           "14: a folder holding kernel_profile.json tables (or subfolders "
-                          "that do)")
+                          "that do); reproduce draws each figure the folder holds the data "
+                          "for (an export folder without runs: no figure 7)")
     top.add_argument("--threads", type=int, default=2, metavar="N",
                      help="torch threads (default 2)")
     top.add_argument("--cache", type=Path, default=None, metavar="DIR",
@@ -103,6 +104,31 @@ def _make_folders(*folders: Path) -> None:
                               "writable --out or --cache") from None
 
 
+def _real_data_figures(folder) -> list[int]:
+    """The real-data figures ``--real-data FOLDER`` draws: 7 where it holds completed run
+    directories, 11-14 where it holds a study's exported tables (a freeze-rule report, T0
+    choices, per-run scores, a kernel profile). FigureError when it holds neither."""
+    if folder is None:
+        return []
+    from figures.fig7_real_data import find_runs
+    from figures.fig11_freeze_timing import has_report
+    from figures.fig12_p3_real import has_choices
+    from figures.fig13_p3_curves import has_curves
+    from figures.fig14_kernel_profile import has_profile
+
+    tables = [n for n, has in ((11, has_report), (12, has_choices), (13, has_curves),
+                               (14, has_profile)) if has(folder)]
+    try:
+        find_runs(folder)
+    except FigureError:
+        if not tables:
+            raise
+        print(f"--real-data {folder}: no run directories, so no figure 7; figures "
+              f"{', '.join(map(str, tables))} from its exported tables", flush=True)
+        return tables
+    return [7, *tables]
+
+
 def reproduce(args, command: str) -> int:
     from figures.common import cache_dir_for, grid_for, set_threads, validation
     from figures.report import write_report
@@ -110,10 +136,7 @@ def reproduce(args, command: str) -> int:
 
     wall, cpu = time.perf_counter(), time.process_time()
     load_start = os.getloadavg()[0]
-    if args.real_data is not None:  # a bad folder fails now, not after the simulations
-        from figures.fig7_real_data import find_runs
-
-        find_runs(args.real_data)
+    real = _real_data_figures(args.real_data)  # a bad folder fails now, before the simulations
     set_threads(args.threads)
     out_dir = Path(args.out) if args.out is not None else OUT_DIR
     cache_dir = cache_dir_for(out_dir, args.cache)
@@ -133,17 +156,7 @@ def reproduce(args, command: str) -> int:
                           "validation.json", lambda: validation(grid, out_dir, cache_dir))
     steps[-1]["cache"] = "yes" if hit else "no"
     print(f"  {steps[-1]['seconds']:.1f} s ({'cached' if hit else 'computed'})", flush=True)
-    numbers = [*SIMULATED, 8, 9, 10] + ([7] if args.real_data is not None else [])
-    if args.real_data is not None:  # figure 11 where the folder holds a freeze-rule report
-        from figures.fig11_freeze_timing import has_report
-        from figures.fig12_p3_real import has_choices
-        from figures.fig13_p3_curves import has_curves
-        from figures.fig14_kernel_profile import has_profile
-
-        numbers += [11] if has_report(args.real_data) else []
-        numbers += [12] if has_choices(args.real_data) else []
-        numbers += [13] if has_curves(args.real_data) else []
-        numbers += [14] if has_profile(args.real_data) else []
+    numbers = [*SIMULATED, 8, 9, 10] + real
     figures = []
     for number in numbers:
         fig = step(f"figure {number} ({MODULES[number]})",

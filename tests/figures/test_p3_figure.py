@@ -330,3 +330,22 @@ def test_figure_14_names_a_profile_no_seed_of_which_ran_the_check(tmp_path, caps
                  "--out", str(tmp_path / "o")]) == 0
     out = capsys.readouterr().out
     assert "(lin_K10, alpha 0.1, 3 seeds, no seed checked)" in out and "0/0" not in out
+
+
+def test_reproduce_draws_an_exported_studys_figures_without_its_runs(tmp_path, capsys):
+    from figure_checks import make_study
+
+    from figures.cli import _real_data_figures
+    from figures.common import FigureError
+
+    folder = _export(tmp_path / "export", [_row("lin_K10", 0.1, 160, 160, 200, "linear",
+                                                10, 0.2)])
+    profile_table_export(folder / "profile_adam", {"steps": 10, "batch_size": 4},
+                         bias0=0.0)
+    assert _real_data_figures(folder) == [12, 14]  # no run directories: no figure 7
+    assert "no figure 7; figures 12, 14" in capsys.readouterr().out
+    assert _real_data_figures(make_study(tmp_path / "study"))[0] == 7  # runs: figure 7 first
+    assert _real_data_figures(None) == []
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FigureError, match="no completed run directory"):
+        _real_data_figures(tmp_path / "empty")
