@@ -507,6 +507,11 @@ def _study(argv: list[str]) -> int:
         if args.restore_partial is not None:
             continue
         if args.list:
+            seen = set()  # an arm's bad option exits 2 here, as its run would
+            for spec in study.plan_runs(plan):
+                if (spec.sweep.name, spec.arm.name) not in seen:
+                    seen.add((spec.sweep.name, spec.arm.name))
+                    study.run_config(spec, spec.warmup_rounds)
             for spec in study.plan_runs(plan):
                 if slices and not any(fnmatch.fnmatch(spec.key, p) for p in slices):
                     continue

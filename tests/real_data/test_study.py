@@ -172,6 +172,19 @@ def test_bad_override_in_plan_writes_nothing(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_listing_a_plan_with_an_unknown_method_option_names_it(tmp_path):
+    data = yaml.safe_load(yaml.safe_dump(PLAN))
+    data["sweeps"][0]["arms"][0]["overrides"].append("algorithm.muu=0.1")
+    _plan(tmp_path, data)
+    for flag in ("--list", "--estimate"):
+        res = run_cli("study", "--plan", str(tmp_path / "plan.yaml"),
+                      "--out", str(tmp_path / "out"), flag)
+        assert res.returncode == 2, (flag, res.stdout, res.stderr)
+        assert ("unknown key(s) algorithm.muu; valid keys in algorithm "
+                "(algorithm.name=fedavg; besides name): none") in res.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_slice_that_matches_nothing_is_an_error(tmp_path):
     plan = _plan(tmp_path)
     with pytest.raises(ConfigError, match="matches no run"):
