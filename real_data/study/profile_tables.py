@@ -311,7 +311,7 @@ TRENDS = (
 def _spearman(x, y) -> float | None:
     from scipy import stats
 
-    if len(x) < 3 or np.ptp(y) == 0:
+    if len(x) < 3 or not np.all(np.isfinite(y)) or np.ptp(y) == 0:
         return None
     return float(stats.spearmanr(x, y).statistic)
 
@@ -352,8 +352,9 @@ def trends(rows: list[dict], level: float = 0.95) -> list[dict]:
                     else None,
                     "phi_fed_change": change(val["phi_fed"]),
                     "rho_phi_fed": _spearman(t0, val["phi_fed"])}
-            for name in per_seed:
-                per_seed[name].append(stat[name])
+            for name in per_seed:  # a seed with a non-finite Phi has no such statistic
+                v = stat[name]
+                per_seed[name].append(None if v is None or not np.isfinite(v) else v)
         grid = sorted(grids)[0]
         h = len(grid) // 2
         for name, definition, sign in TRENDS:

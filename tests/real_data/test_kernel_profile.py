@@ -1120,6 +1120,12 @@ def test_p1_trends_per_seed_and_their_intervals_over_seeds():
     flat = {r["statistic"]: r for r in study.trends(
         _trend_rows(bias, {s: [0.0] * 4 for s in drift}))}
     assert flat["rho_drift"]["n"] == 0 and flat["rho_drift"]["verdict"] == "not resolved"
+    # a seed whose Phi is not finite (a kernel that diverged) counts in no statistic
+    broken = dict(bias)
+    broken[2] = [0.3, float("nan"), 0.1, 0.0]
+    got = {r["statistic"]: r for r in study.trends(_trend_rows(broken, drift))}
+    assert got["bias_change"]["n"] == 2 and got["bias_change"]["per_seed"][2] is None
+    assert got["rho_bias"]["n"] == 2 and got["drift_mean"]["n"] == 3
 
 
 def test_the_kernel_profile_tables_carry_the_trends(tmp_path):
