@@ -150,9 +150,11 @@ def sweep(args, work: Path) -> dict:
         in_effect = not result["stacked_live_compiled"]
         result["comparison"]["live_pad_in_effect"] = in_effect
         if not in_effect:
+            from real_data.stacked_runs import COMPILE_PAYS_RUN_ROUNDS
+
             print("both stacked groups compiled: live padding not in effect, the ratio below "
-                  "is the compilation cache's; rerun with fewer than 2,000 run-rounds "
-                  "(e.g. --rounds 40) for an eager group", flush=True)
+                  f"is the compilation cache's; rerun with fewer than {COMPILE_PAYS_RUN_ROUNDS:,} "
+                  "run-rounds (e.g. --rounds 40) for an eager group", flush=True)
         result["comparison"]["live_pad_speedup"] = stacked["wall_s"] / live["wall_s"]
         result["comparison"]["live_pad_first_train_loss_max_rel_diff"] = max(
             abs(s["first_train_loss"] - live["runs"][k]["first_train_loss"])

@@ -120,11 +120,14 @@ def _real_data_figures(folder) -> list[int]:
                                (14, has_profile)) if has(folder)]
     try:
         find_runs(folder)
-    except FigureError:
+    except FigureError as exc:
         if not tables:
-            raise
-        print(f"--real-data {folder}: no run directories, so no figure 7; figures "
-              f"{', '.join(map(str, tables))} from its exported tables", flush=True)
+            raise FigureError(f"{exc}; nor a study's exported tables (figures 11-14: "
+                              "`linattn study --plan P --export DIR`)") from None
+        names = ", ".join(map(str, tables))
+        print(f"--real-data {folder}: no run directories, so no figure 7; "
+              f"figure{'s' if len(tables) > 1 else ''} {names} from its exported tables",
+              flush=True)
         return tables
     return [7, *tables]
 
@@ -136,7 +139,7 @@ def reproduce(args, command: str) -> int:
 
     wall, cpu = time.perf_counter(), time.process_time()
     load_start = os.getloadavg()[0]
-    real = _real_data_figures(args.real_data)  # a bad folder fails now, before the simulations
+    real = _real_data_figures(args.real_data)  # a bad folder fails here, before the simulations
     set_threads(args.threads)
     out_dir = Path(args.out) if args.out is not None else OUT_DIR
     cache_dir = cache_dir_for(out_dir, args.cache)

@@ -170,7 +170,8 @@ def make(folder: Path, out_dir=None) -> FigureOutput:
     for row, p in zip(grid, data, strict=True):
         check = ("no seed checked" if p["n_checked"] == 0 else
                  f"converged {p['n_converged']}/{p['n_checked']}"
-                 + ("" if p["n_checked"] == p["n_seeds"] else " checked"))
+                 if p["n_checked"] == p["n_seeds"] else
+                 f"{p['n_checked']} checked, {p['n_converged']} converged")
         where = (f"{p['sweep']}, {'natural' if p['alpha'] is None else 'alpha ' + str(p['alpha'])}"
                  f", {p['n_seeds']} seed{'s' if p['n_seeds'] > 1 else ''}, {check}")
         first = next(iter(p["refs"].values()))

@@ -211,7 +211,7 @@ def _study(argv: list[str]) -> int:
     import argparse
     from pathlib import Path
 
-    from linattn.errors import UserError
+    from linattn.errors import ConfigError, UserError
     from real_data import study
     from real_data.study.difficulty import write_difficulty
 
@@ -507,11 +507,16 @@ def _study(argv: list[str]) -> int:
         if args.restore_partial is not None:
             continue
         if args.list:
-            seen = set()  # an arm's bad option exits 2 here, as its run would
+            seen = set()  # a listed arm's bad option exits 2 here, as its run would
             for spec in study.plan_runs(plan):
-                if (spec.sweep.name, spec.arm.name) not in seen:
-                    seen.add((spec.sweep.name, spec.arm.name))
+                if (spec.sweep.name, spec.arm.name) in seen or (
+                        slices and not any(fnmatch.fnmatch(spec.key, p) for p in slices)):
+                    continue
+                seen.add((spec.sweep.name, spec.arm.name))
+                try:
                     study.run_config(spec, spec.warmup_rounds)
+                except ConfigError as exc:
+                    raise ConfigError(f"{spec.sweep.name}/{spec.arm.name}: {exc}") from None
             for spec in study.plan_runs(plan):
                 if slices and not any(fnmatch.fnmatch(spec.key, p) for p in slices):
                     continue

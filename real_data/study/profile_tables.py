@@ -320,7 +320,9 @@ def trends(rows: list[dict], level: float = 0.95) -> list[dict]:
     """P1 along T0 (bias falls, drift rises), one record per (sweep, alpha, arm, reference,
     statistic): each statistic of :data:`TRENDS` per seed from :func:`bias_drift`'s rows, its
     mean over seeds with the two-sided t interval at ``level`` (seeds as the replicates; none
-    for one seed; a correlation's cut to [-1, 1]), ``per_seed`` in the order of ``seeds``, and
+    for one seed; a correlation's cut to [-1, 1]; seeds that agree exactly give an interval of
+    width 0), ``per_seed`` in the order of ``seeds`` (the runs' seeds, ascending), every seed read
+    on the T0 all seeds of the cell have (``same_grid``: false where some seed has more), and
     ``verdict``: ``as P1 predicts`` when the interval lies on the predicted
     side of 0, ``against P1`` when on the other, ``not resolved`` when it holds 0 (or fewer
     than 2 seeds have the statistic), ``no prediction`` for Phi(M_T0)'s own trend."""
@@ -334,10 +336,17 @@ def trends(rows: list[dict], level: float = 0.95) -> list[dict]:
     for key, seeds in groups.items():
         per_seed: dict[str, list] = {name: [] for name, *_ in TRENDS}
         grids = set()
+        for seed, items in seeds.items():
+            t0s = [r["warmup_rounds"] for r in items]
+            if len(set(t0s)) != len(t0s):
+                raise ValueError(f"trends: cell {key} seed {seed} has two rows of one T0")
+            grids.add(tuple(sorted(t0s)))
+        # every seed is read on the T0 all of them have, so the halves are the same T0
+        common = sorted(set.intersection(*(set(g) for g in grids)))
         for _, items in sorted(seeds.items()):
-            items = sorted(items, key=lambda r: r["warmup_rounds"])
+            items = sorted((r for r in items if r["warmup_rounds"] in common),
+                           key=lambda r: r["warmup_rounds"])
             t0 = np.array([r["warmup_rounds"] for r in items], dtype=np.float64)
-            grids.add(tuple(int(t) for t in t0))
             h = len(items) // 2
             val = {k: np.array([r[k] for r in items], dtype=np.float64)
                    for k in ("bias", "drift", "phi_fed")}
@@ -355,7 +364,7 @@ def trends(rows: list[dict], level: float = 0.95) -> list[dict]:
             for name in per_seed:  # a seed with a non-finite Phi has no such statistic
                 v = stat[name]
                 per_seed[name].append(None if v is None or not np.isfinite(v) else v)
-        grid = sorted(grids)[0]
+        grid = common
         h = len(grid) // 2
         for name, definition, sign in TRENDS:
             vals = [v for v in per_seed[name] if v is not None]
@@ -467,8 +476,9 @@ def trend_lines(records: list[dict]) -> list[str]:
         return "-" if v is None else format(v, fmt)
 
     level = round(100 * records[0]["level"])
-    lines = ["", f"P1 along T0, per seed, then over seeds (mean, two-sided {level}% t "
-             "interval with the seeds as replicates). Statistics: "
+    lines = ["", f"P1 along T0, per seed (in the order of the runs' seeds, ascending), then "
+             f"over seeds (mean, two-sided {level}% t interval with the seeds as replicates). "
+             "Statistics: "
              + "; ".join(f"{name}: {d}" for name, d, _ in TRENDS) + ". Phi_best is one "
              "number per seed, so no statistic depends on its choice.", "",
              "| sweep | alpha | arm | reference | early T0 | late T0 | statistic | "
@@ -479,7 +489,7 @@ def trend_lines(records: list[dict]) -> list[str]:
             f"| {r['sweep']} | {'natural' if r['alpha'] is None else r['alpha']} | "
             f"{r['arm']} | {r['reference']} | {','.join(map(str, r['early_t0']))} | "
             f"{','.join(map(str, r['late_t0']))}"
-            f"{'' if r['same_grid'] else ' (grids differ by seed)'} | {r['statistic']} | "
+            f"{'' if r['same_grid'] else ' (the T0 common to all seeds)'} | {r['statistic']} | "
             f"{r['p1_predicts'] or '-'} | {r['n']} | {num(r['mean'])} | {interval} | "
             f"{' '.join(num(v) for v in r['per_seed'])} | {r['verdict']} |")
     return lines

@@ -347,5 +347,5 @@ def test_reproduce_draws_an_exported_studys_figures_without_its_runs(tmp_path, c
     assert _real_data_figures(make_study(tmp_path / "study"))[0] == 7  # runs: figure 7 first
     assert _real_data_figures(None) == []
     (tmp_path / "empty").mkdir()
-    with pytest.raises(FigureError, match="no completed run directory"):
+    with pytest.raises(FigureError, match="no completed run directory.*nor a study's exported"):
         _real_data_figures(tmp_path / "empty")

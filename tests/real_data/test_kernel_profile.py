@@ -1120,12 +1120,21 @@ def test_p1_trends_per_seed_and_their_intervals_over_seeds():
     flat = {r["statistic"]: r for r in study.trends(
         _trend_rows(bias, {s: [0.0] * 4 for s in drift}))}
     assert flat["rho_drift"]["n"] == 0 and flat["rho_drift"]["verdict"] == "not resolved"
-    # a seed whose Phi is not finite (a kernel that diverged) counts in no statistic
+    # a seed whose Phi is not finite (a kernel that diverged) counts in no statistic of it
     broken = dict(bias)
     broken[2] = [0.3, float("nan"), 0.1, 0.0]
     got = {r["statistic"]: r for r in study.trends(_trend_rows(broken, drift))}
     assert got["bias_change"]["n"] == 2 and got["bias_change"]["per_seed"][2] is None
-    assert got["rho_bias"]["n"] == 2 and got["drift_mean"]["n"] == 3
+    assert got["rho_bias"]["n"] == 2 and got["drift_mean"]["n"] == 3  # its drift is finite
+    # a seed with an extra T0 is read on the T0 every seed has: the same halves for all
+    rows = _trend_rows(bias, drift) + [{"sweep": "s", "alpha": 0.1, "arm": "ff",
+                                        "reference": "pooled", "seed": 0, "warmup_rounds": 40,
+                                        "bias": -5.0, "drift": 5.0, "phi_fed": 1.0}]
+    got = {r["statistic"]: r for r in study.trends(rows)}
+    assert got["bias_change"]["late_t0"] == [20, 30] and not got["bias_change"]["same_grid"]
+    assert got["bias_change"]["per_seed"] == pytest.approx([-0.3, -0.3, -0.2])
+    with pytest.raises(ValueError, match="two rows of one T0"):
+        study.trends(_trend_rows(bias, drift) + _trend_rows({0: bias[0]}, {0: drift[0]}))
 
 
 def test_the_kernel_profile_tables_carry_the_trends(tmp_path):

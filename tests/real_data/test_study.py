@@ -182,6 +182,12 @@ def test_listing_a_plan_with_an_unknown_method_option_names_it(tmp_path):
         assert res.returncode == 2, (flag, res.stdout, res.stderr)
         assert ("unknown key(s) algorithm.muu; valid keys in algorithm "
                 "(algorithm.name=fedavg; besides name): none") in res.stderr
+        if flag == "--list":
+            assert "digits/fedavg: unknown key(s) algorithm.muu" in res.stderr
+    # a --slice that leaves the arm out lists the rest
+    res = run_cli("study", "--plan", str(tmp_path / "plan.yaml"), "--out", str(tmp_path / "out"),
+                  "--list", "--slice", "digits/frozen-*")
+    assert res.returncode == 0 and "digits/frozen-T0=2/alpha=0.5/seed=0" in res.stdout
     assert not (tmp_path / "out").exists()
 
 
