@@ -466,7 +466,6 @@ def write_kernel_profile(rows: list[dict], out_dir: Path, budget=None,
     return paths
 
 
-
 def trend_lines(records: list[dict]) -> list[str]:
     """:func:`trends`' records as a Markdown section (none for no records)."""
     if not records:
