@@ -140,11 +140,10 @@ def profiles(folder: Path) -> list[dict]:
 
 
 def has_profile(folder: Path) -> bool:
-    """``folder`` holds a kernel-profile table figure 14 can draw."""
-    try:
-        return bool(profiles(Path(folder)))
-    except FigureError:
-        return False
+    """``folder`` holds a kernel-profile table figure 14 can draw: False where it holds none,
+    FigureError naming the file where one is malformed (``reproduce`` stops on it, as
+    ``linattn figure 14`` does, instead of leaving the figure out unsaid)."""
+    return bool(_tables(Path(folder))) and bool(profiles(Path(folder)))
 
 
 def _band(ax, x, mean, std, colour, label, style="-"):

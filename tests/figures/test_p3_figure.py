@@ -349,3 +349,10 @@ def test_reproduce_draws_an_exported_studys_figures_without_its_runs(tmp_path, c
     (tmp_path / "empty").mkdir()
     with pytest.raises(FigureError, match="no completed run directory.*nor a study's exported"):
         _real_data_figures(tmp_path / "empty")
+    # a malformed kernel-profile table stops reproduce, naming the file
+    table = folder / "profile_adam" / "kernel_profile.json"
+    meta = json.loads(table.read_text())
+    meta["summary"][0].pop("bias_mean")
+    table.write_text(json.dumps(meta))
+    with pytest.raises(FigureError, match="kernel_profile.json"):
+        _real_data_figures(folder)
