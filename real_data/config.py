@@ -264,12 +264,8 @@ def _named(section: dict | None, key: str, lookup) -> Named:
         raise ConfigError(f"{key}.name is required")
     body = dict(section)
     name = check_value(body.pop("name"), str, f"{key}.name")
-    try:
-        return Named(name, build_dataclass(lookup(name), body, key))
-    except ConfigError as exc:  # the valid keys are this name's options: say whose they are
-        raise ConfigError(str(exc).replace(f"valid keys in {key}:",
-                                           f"valid keys in {key} ({key}.name={name}; besides "
-                                           "name):", 1)) from None
+    return Named(name, build_dataclass(lookup(name), body, key,
+                                       whose=f"{key}.name={name}; besides name"))
 
 
 def config_from_dict(data: dict, source: str | Path | None = None) -> Config:

@@ -64,8 +64,10 @@ def check_value(value: Any, tp, key: str) -> Any:
     raise ConfigError(f"{key}={value!r} has the wrong type; expected {_describe(tp)}")
 
 
-def build_dataclass(cls: type, data: dict | None, prefix: str):
-    """Instantiate ``cls`` from a mapping, checking keys and types; errors name ``prefix.key``."""
+def build_dataclass(cls: type, data: dict | None, prefix: str, whose: str = ""):
+    """Instantiate ``cls`` from a mapping, checking keys and types; errors name ``prefix.key``
+    (``whose``: what the valid keys belong to, said beside ``prefix`` in the unknown-key
+    error, e.g. ``algorithm.name=fedavg``)."""
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix} must be a mapping, got {data!r}")
@@ -75,7 +77,8 @@ def build_dataclass(cls: type, data: dict | None, prefix: str):
     if unknown:
         where = f"{prefix}." if prefix else ""
         raise ConfigError(f"unknown key(s) {', '.join(where + k for k in unknown)}; valid keys "
-                          f"in {prefix or 'the top level'}: {', '.join(sorted(fields)) or 'none'}")
+                          f"in {prefix or 'the top level'}{f' ({whose})' if whose else ''}: "
+                          f"{', '.join(sorted(fields)) or 'none'}")
     kwargs = {}
     for k, v in data.items():
         key = f"{prefix}.{k}" if prefix else k
